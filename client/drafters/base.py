@@ -1,0 +1,53 @@
+"""The drafter interface: all a drafter implements to take part in the speculative loop.
+
+A drafter sees the committed context (prompt + generated tokens, the last one being the pending
+token) and the target features the server returned for committed positions, and proposes a draft
+tree. Later drafters (MoA, EAGLE-2, SWIFT, TokenSwift, Falcon) only implement this.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from splitspec.shared.acceptance import SparseProbs
+from splitspec.shared.features import FeatureBatch, FeatureRequest
+from splitspec.shared.sampling import SamplingParams
+from splitspec.shared.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A draft tree, plus the proposal rows it was sampled from (sampling only; empty when the
+    children were chosen deterministically, see DraftProbs in verify.proto)."""
+
+    tree: DraftTree
+    draft_probs: dict[int, SparseProbs] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DraftLimits:
+    """Bounds for one proposal: tree depth (remaining token budget) and node count (server limit)."""
+
+    max_depth: int
+    max_nodes: int
+    max_support: int = 256  # entries per draft-probability row
+
+
+class Drafter(ABC):
+    """Proposes draft trees. One instance drafts one sequence at a time."""
+
+    name: str = "drafter"
+    #: the target features this drafter needs from the server
+    feature_request: FeatureRequest = FeatureRequest()
+
+    @abstractmethod
+    def reset(self, prompt_ids: Sequence[int], features: FeatureBatch) -> None:
+        """Start a new sequence: `prompt_ids` [P] are committed; `features` cover positions [0, P)."""
+
+    @abstractmethod
+    def propose(self, context: Sequence[int], limits: DraftLimits, sampling: SamplingParams) -> Proposal:
+        """Draft after `context` (all committed tokens; its last is the pending token)."""
+
+    def commit(self, new_tokens: Sequence[int], features: FeatureBatch) -> None:
+        """Tokens were committed (accepted + bonus); `features` cover the newly cached positions."""

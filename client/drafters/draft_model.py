@@ -1,0 +1,70 @@
+"""An independent small causal LM as drafter (seed 002, Leviathan et al. 2023, §3), drafting
+EAGLE-2 dynamic trees (client/drafters/dynamic_tree.py).
+
+`draft-model:MODEL` loads any causal LM sharing the target's tokenizer; `MODEL@layers=N` keeps
+only its first N decoder layers plus the final norm and LM head (early exit, training-free).
+The drafter keeps its own KV cache of the committed context; tree nodes are appended to it during
+a proposal with a tree mask and removed afterwards.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from splitspec.shared import kv
+from splitspec.shared.config import TreeConfig
+from splitspec.shared.sampling import SamplingParams, make_generator
+from splitspec.shared.tree import ROOT
+
+from .base import DraftLimits, Drafter, Proposal
+from .dynamic_tree import build_tree
+
+
+class DraftModelDrafter(Drafter):
+    name = "draft-model"
+
+    def __init__(self, model, tree: TreeConfig = TreeConfig(), seed: int = 0) -> None:
+        self.model = model
+        self.tree = tree
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.generator = make_generator(seed)
+        self.cache = kv.new_cache(model.config)
+
+    def reset(self, prompt_ids, features) -> None:
+        self.cache = kv.new_cache(self.model.config)
+
+    @torch.inference_mode()
+    def propose(self, context: Sequence[int], limits: DraftLimits, sampling: SamplingParams) -> Proposal:
+        cached = kv.cache_length(self.cache)
+        if cached >= len(context):  # never happens in the loop; keep the invariant anyway
+            kv.truncate(self.cache, len(context) - 1)
+            cached = len(context) - 1
+        new = torch.tensor([list(context[cached:])], device=self.device)
+        root_logits = self.model(input_ids=new, past_key_values=self.cache, use_cache=True,
+                                 logits_to_keep=1).logits[0, -1]
+        context_len = len(context)
+        slots: dict[int, int] = {}  # pool index -> cache position
+
+        def expand(frontier: list[int], pool) -> torch.Tensor:
+            cache_len = kv.cache_length(self.cache)
+            width = cache_len + len(frontier)
+            mask = torch.full((len(frontier), width), torch.finfo(self.dtype).min, dtype=self.dtype)
+            mask[:, :context_len] = 0
+            for row, node in enumerate(frontier):
+                ancestor = pool[node].parent
+                while ancestor != ROOT:
+                    mask[row, slots[ancestor]] = 0
+                    ancestor = pool[ancestor].parent
+                mask[row, cache_len + row] = 0
+                slots[node] = cache_len + row
+            ids = torch.tensor([[pool[n].token for n in frontier]], device=self.device)
+            positions = torch.tensor([[context_len - 1 + pool[n].depth for n in frontier]], device=self.device)
+            out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True,
+                             attention_mask=mask.to(self.device)[None, None], position_ids=positions)
+            return out.logits[0].float()
+
+        proposal = build_tree(root_logits, expand, self.tree, limits, sampling, self.generator)
+        kv.truncate(self.cache, context_len)
+        return proposal

@@ -1,0 +1,1 @@
+"""Generated stubs of the splitspec.v1 wire contract (see verify.proto)."""

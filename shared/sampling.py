@@ -1,0 +1,78 @@
+"""Sampling parameters and the warped distributions both sides sample from.
+
+The target distribution at a position is softmax(logits / temperature) restricted to the top-k
+tokens and then to the top-p nucleus (Holtzman et al. 2020), renormalised. Speculative decoding
+is lossless with respect to exactly this distribution (seed 002, Leviathan et al. 2023, §2.3).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature == 0 means greedy decoding; top_p in (0, 1]; top_k == 0 disables top-k."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0 and self.temperature < float("inf")):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must lie in [0, 2**64), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @classmethod
+    def from_pb(cls, msg) -> "SamplingParams":
+        return cls(temperature=msg.temperature, top_p=msg.top_p or 1.0, top_k=msg.top_k, seed=msg.seed)
+
+    def to_pb(self, pb_cls):
+        return pb_cls(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed)
+
+
+def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities after temperature, top-k and top-p.
+
+    Args:
+        logits: [..., V] any float dtype.
+    Returns:
+        [..., V] float32 probabilities, each row summing to 1. Greedy params give one-hot argmax rows.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before >= params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token id drawn from `probs` [V]."""
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def make_generator(seed: int) -> torch.Generator:
+    gen = torch.Generator()
+    gen.manual_seed(seed % (2**63))
+    return gen
