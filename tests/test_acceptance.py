@@ -1,0 +1,130 @@
+"""The acceptance rule: hand-written greedy cases and a seeded statistical test that tree
+speculative sampling reproduces the target distribution."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from splitspec.shared.acceptance import SparseProbs, accept_greedy, accept_sampling
+from splitspec.shared.sampling import SamplingParams, warp_probs
+from splitspec.shared.tree import DraftTree
+
+V = 6
+
+
+def _logits_with_argmax(rows: list[int]) -> torch.Tensor:
+    logits = torch.zeros(len(rows), V)
+    for i, t in enumerate(rows):
+        logits[i, t] = 5.0
+    return logits
+
+
+def test_greedy_perfect_match():
+    tree = DraftTree.chain([3, 1, 4])
+    result = accept_greedy(tree, _logits_with_argmax([3, 1, 4, 5]))
+    assert result.accepted_nodes == (0, 1, 2) and result.bonus_token == 5
+
+
+def test_greedy_early_mismatch():
+    tree = DraftTree.chain([3, 1, 4])
+    result = accept_greedy(tree, _logits_with_argmax([2, 1, 4, 5]))
+    assert result.accepted_nodes == () and result.bonus_token == 2
+
+
+def test_greedy_picks_matching_sibling():
+    tree = DraftTree((1, 3, 2, 0), (-1, -1, 1, 1))  # root -> {1, 3}; 3 -> {2, 0}
+    result = accept_greedy(tree, _logits_with_argmax([3, 5, 0, 4, 4]))
+    assert result.accepted_nodes == (1, 3) and result.bonus_token == 4
+
+
+def test_greedy_empty_draft():
+    result = accept_greedy(DraftTree.empty(), _logits_with_argmax([2]))
+    assert result.accepted_nodes == () and result.bonus_token == 2
+
+
+def _first_tokens_distribution(tree, logits, params, rows, n, seed):
+    """Empirical distribution of the first emitted token (accepted depth-1 node or bonus)."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = Counter()
+    for _ in range(n):
+        res = accept_sampling(tree, logits, params, rows, gen)
+        first = tree.tokens[res.accepted_nodes[0]] if res.accepted_nodes else res.bonus_token
+        counts[first] += 1
+    return torch.tensor([counts[t] / n for t in range(V)])
+
+
+def _draw_without_replacement(q: torch.Tensor, k: int, gen) -> list[int]:
+    q = q.clone()
+    out = []
+    for _ in range(k):
+        t = int(torch.multinomial(q / q.sum(), 1, generator=gen))
+        out.append(t)
+        q[t] = 0
+    return out
+
+
+PARAMS = SamplingParams(temperature=0.8, top_p=0.95, top_k=5)
+
+
+@pytest.mark.parametrize("siblings", [1, 3])
+def test_sampling_matches_target_distribution(siblings):
+    """Siblings drawn without replacement from q (fresh each trial), tried in turn: the first
+    emitted token must follow the warped target distribution p (TV distance < 0.02 over 6000)."""
+    torch.manual_seed(0)
+    target_logits = torch.randn(1 + siblings + 1, V) * 2
+    draft_q = torch.softmax(torch.randn(V) * 2, -1)
+    p = warp_probs(target_logits[0], PARAMS)
+    gen = torch.Generator().manual_seed(1)
+    counts = Counter()
+    n = 6000
+    for _ in range(n):
+        kids = _draw_without_replacement(draft_q, siblings, gen)
+        tree = DraftTree(tuple(kids), (-1,) * siblings)
+        rows = {-1: SparseProbs(torch.arange(V), draft_q)}
+        res = accept_sampling(tree, target_logits[: siblings + 1], PARAMS, rows, gen)
+        counts[tree.tokens[res.accepted_nodes[0]] if res.accepted_nodes else res.bonus_token] += 1
+    empirical = torch.tensor([counts[t] / n for t in range(V)])
+    assert 0.5 * (empirical - p).abs().sum() < 0.02, (empirical, p)
+
+
+def test_sampling_chain_second_token():
+    """Along a chain, once the first draft token is accepted, the next emitted token follows the
+    target's p at that node (second draft token drawn from q1, accepted or corrected)."""
+    torch.manual_seed(2)
+    logits = torch.randn(3, V) * 2
+    q1 = torch.softmax(torch.randn(V), -1)
+    first = int(warp_probs(logits[0], PARAMS).argmax())  # proposed deterministically (one-hot row)
+    gen = torch.Generator().manual_seed(3)
+    p1 = warp_probs(logits[1], PARAMS)
+    counts, total = Counter(), 0
+    for _ in range(8000):
+        tree = DraftTree.chain([first, int(torch.multinomial(q1, 1, generator=gen))])
+        res = accept_sampling(tree, logits, PARAMS, {0: SparseProbs(torch.arange(V), q1)}, gen)
+        if res.accepted_nodes[:1] == (0,):
+            counts[tree.tokens[1] if len(res.accepted_nodes) > 1 else res.bonus_token] += 1
+            total += 1
+    assert total > 2000
+    empirical = torch.tensor([counts[t] / total for t in range(V)])
+    assert 0.5 * (empirical - p1).abs().sum() < 0.04, (empirical, p1, total)
+
+
+def test_sampling_one_hot_proposals():
+    """Deterministic siblings (no draft probabilities) keep the distribution too."""
+    torch.manual_seed(4)
+    logits = torch.randn(3, V) * 2
+    tree = DraftTree((1, 4), (-1, -1))
+    p = warp_probs(logits[0], PARAMS)
+    empirical = _first_tokens_distribution(tree, logits, PARAMS, {}, 6000, seed=5)
+    assert 0.5 * (empirical - p).abs().sum() < 0.02, (empirical, p)
+
+
+def test_a_broken_rule_is_detected():
+    """Sanity check of the test's power: accepting every draft token is far from p."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, V) * 2
+    p = warp_probs(logits[0], PARAMS)
+    always_first = torch.zeros(V)
+    always_first[1] = 1.0
+    assert 0.5 * (always_first - p).abs().sum() > 0.05

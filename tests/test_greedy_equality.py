@@ -1,0 +1,88 @@
+"""Lossless greedy decoding: split-mode and single-device outputs equal target-only generate()."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from splitspec.client.drafters import DraftModelDrafter, NgramDrafter
+from splitspec.client.loop import SpeculativeDecoder
+from splitspec.client.transport import RemoteVerifier
+from splitspec.client.verifier import LocalVerifier
+from splitspec.server.runner import TargetRunner
+from splitspec.shared.config import TreeConfig
+from splitspec.shared.models import early_exit, encode_chat, load_model
+
+from .conftest import SPEC_BENCH, OracleDrafter, reference_greedy
+
+N_NEW = 60
+
+
+def _drafters(model_name: str, prompt, ref, vocab, draft_model):
+    return {
+        "always-right": OracleDrafter(prompt, ref, vocab, right=True, depth=4, wrong_siblings=2),
+        "always-wrong": OracleDrafter(prompt, ref, vocab, right=False, depth=3, wrong_siblings=2),
+        "ngram": NgramDrafter(),
+        "draft-model": DraftModelDrafter(draft_model, TreeConfig(depth=4, top_b=3, max_nodes=12)),
+    }
+
+
+def _check_all(verifier, drafters, prompt, ref, *, min_calls_right: int):
+    for name, drafter in drafters.items():
+        gen = SpeculativeDecoder(verifier, drafter).generate(prompt, len(ref), stop_on_eos=False)
+        assert gen.tokens == ref, f"{name}: output differs from target-only greedy decoding"
+        if name == "always-right":
+            assert gen.stats.target_calls <= min_calls_right, f"always-right drafter accepted too little: {gen.stats}"
+            assert gen.stats.tau > 3.0
+        if name == "always-wrong":
+            assert gen.stats.target_calls == len(ref), "an always-wrong drafter must get exactly one token per call"
+
+
+@pytest.mark.parametrize("mode", ["local", "split"])
+def test_tiny_random_llama(tiny_random, serve, mode):
+    model, tokenizer, model_id = tiny_random
+    prompt = [1, 45, 300, 17, 99, 4, 250]
+    ref = reference_greedy(model, prompt, N_NEW)
+    runner = TargetRunner(model, tokenizer, model_id)
+    verifier = LocalVerifier(runner) if mode == "local" else RemoteVerifier(serve(runner).address)
+
+    small = copy.deepcopy(model)
+    early_exit(small, 1)
+    drafters = _drafters(model_id, prompt, ref, 512, small)
+    _check_all(verifier, drafters, prompt, ref, min_calls_right=1 + -(-(N_NEW - 1) // 5))
+
+
+@pytest.mark.parametrize("mode", ["local", "split"])
+def test_stories260k(stories, stories_path, serve, mode):
+    model, tokenizer, model_id = stories
+    prompt = tokenizer("Once upon a time, there was a little dog named Max. Max liked to")["input_ids"]
+    ref = reference_greedy(model, prompt, N_NEW)
+    runner = TargetRunner(model, tokenizer, model_id)
+    verifier = LocalVerifier(runner) if mode == "local" else RemoteVerifier(serve(runner).address)
+    draft, _, _ = load_model(f"{stories_path}@layers=2")
+    drafters = _drafters(model_id, prompt, ref, 512, draft)
+    _check_all(verifier, drafters, prompt, ref, min_calls_right=1 + -(-(N_NEW - 1) // 5))
+
+
+@pytest.mark.slow
+def test_smollm2_spec_bench_split(smollm2, serve):
+    model, tokenizer, model_id = smollm2
+    question = json.loads(SPEC_BENCH.read_text().splitlines()[0])
+    prompt = encode_chat(tokenizer, [{"role": "user", "content": question["turns"][0]}])
+    n = 40
+    ref = reference_greedy(model, prompt, n)
+    runner = TargetRunner(model, tokenizer, model_id)
+    verifier = RemoteVerifier(serve(runner).address)
+    draft, _, _ = load_model("smollm2-135m@layers=6")
+    drafters = {
+        "always-right": OracleDrafter(prompt, ref, model.config.vocab_size, right=True, depth=4),
+        "always-wrong": OracleDrafter(prompt, ref, model.config.vocab_size, right=False, depth=2),
+        "ngram": NgramDrafter(),
+        "draft-model": DraftModelDrafter(draft, TreeConfig(depth=3, top_b=3, max_nodes=10)),
+    }
+    for name, drafter in drafters.items():
+        gen = SpeculativeDecoder(verifier, drafter).generate(prompt, n, stop_on_eos=False)
+        assert gen.tokens == ref, name
+    local = SpeculativeDecoder(LocalVerifier(runner), NgramDrafter()).generate(prompt, n, stop_on_eos=False)
+    assert local.tokens == ref

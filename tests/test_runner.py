@@ -1,0 +1,81 @@
+"""Tree verification in one forward equals sequential decoding of every root-to-leaf path, and
+the compacted KV cache equals one recomputed from scratch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitspec.server.runner import TargetRunner
+from splitspec.shared import kv
+from splitspec.shared.features import FeatureRequest
+from splitspec.shared.sampling import SamplingParams
+from splitspec.shared.tree import DraftTree, tree_buffers
+
+TREE = DraftTree((10, 20, 30, 40, 50, 60, 70), (-1, -1, 0, 0, 1, 2, 5))
+ATOL = 1e-4
+
+
+def _sequential_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+@pytest.mark.parametrize("fixture", ["tiny_random", "stories"])
+def test_tree_forward_equals_paths(fixture, request):
+    model, tokenizer, model_id = request.getfixturevalue(fixture)
+    runner = TargetRunner(model, tokenizer, model_id)
+    prompt = [1, 200, 33, 87, 5, 401]
+    session, _, _ = runner.open(prompt, SamplingParams(), FeatureRequest())
+    prefix = kv.cache_length(session.cache)
+    buffers = tree_buffers(TREE.parents)
+    ids = torch.tensor([[session.pending_token, *TREE.tokens]])
+    with torch.inference_mode():
+        out = model(input_ids=ids, past_key_values=session.cache, use_cache=True,
+                    attention_mask=buffers.attention_mask(prefix, torch.float32),
+                    position_ids=buffers.position_ids(prefix))
+    tree_logits = out.logits[0].float()
+    rows = [session.pending_token, *TREE.tokens]
+    for path in buffers.paths:
+        seq = _sequential_logits(model, prompt + [rows[r] for r in path])[len(prompt):]
+        torch.testing.assert_close(tree_logits[list(path)], seq, atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_random", "stories"])
+def test_kv_commit_equals_recompute(fixture, request):
+    model, tokenizer, model_id = request.getfixturevalue(fixture)
+    runner = TargetRunner(model, tokenizer, model_id)
+    prompt = [1, 200, 33, 87, 5, 401]
+    features = FeatureRequest(hidden_layers=(-1,), kv_layers=(0, model.config.num_hidden_layers - 1))
+    session, _, _ = runner.open(prompt, SamplingParams(), features)
+    committed = prompt + [session.pending_token]
+    # force a deep accepted path through a non-first sibling: make the tree from the greedy truth
+    truth = _sequential_greedy(model, committed, 3)
+    tree = DraftTree((7, truth[0], 9, truth[1], truth[2]), (-1, -1, 1, 1, 3))
+    step = runner.verify(session, tree)
+    assert step.accept.accepted_nodes == (1, 3, 4)
+    committed += list(step.accepted_tokens)
+    cache = session.cache
+    assert kv.cache_length(cache) == len(committed)
+    fresh = kv.new_cache(model.config)
+    with torch.inference_mode():
+        ref = model(input_ids=torch.tensor([committed]), past_key_values=fresh, use_cache=True,
+                    output_hidden_states=True)
+    for layer in range(model.config.num_hidden_layers):
+        got_k, got_v = kv.layer_kv(cache, layer, 0, len(committed))
+        want_k, want_v = kv.layer_kv(fresh, layer, 0, len(committed))
+        torch.testing.assert_close(got_k, want_k, atol=ATOL, rtol=1e-4)
+        torch.testing.assert_close(got_v, want_v, atol=ATOL, rtol=1e-4)
+    # features of the committed positions: the pending token and the 3 accepted nodes
+    start = len(prompt)
+    assert step.features.start == start and step.features.count == 4
+    torch.testing.assert_close(step.features.hidden[-1], ref.hidden_states[-1][0, start:], atol=ATOL, rtol=1e-4)
+    want_k, _ = kv.layer_kv(fresh, 0, start, start + 4)
+    torch.testing.assert_close(step.features.keys[0], want_k, atol=ATOL, rtol=1e-4)
+    assert session.pending_token == int(ref.logits[0, -1].argmax())
+
+
+def _sequential_greedy(model, ids, n):
+    out = []
+    for _ in range(n):
+        out.append(int(_sequential_logits(model, ids + out)[-1].argmax()))
+    return out

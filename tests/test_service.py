@@ -1,0 +1,199 @@
+"""The verify service in-process on port 0: each bad input gets its status code, no model work is
+done for it, and the server goes on serving the next good request."""
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from splitspec.server.runner import TargetRunner
+from splitspec.shared import codec
+from splitspec.shared.config import ServerLimits
+from splitspec.shared.models import tokenizer_fingerprint
+from splitspec.v1 import verify_pb2 as pb
+from splitspec.v1 import verify_pb2_grpc as pb_grpc
+
+LIMITS = ServerLimits(max_tree_nodes=8, max_tree_depth=4, max_prompt_tokens=64, max_context=100,
+                      max_sessions=3, session_idle_ttl_s=60, max_draft_support=16)
+
+
+class Counted:
+    """Counts forward passes of the wrapped model."""
+
+    def __init__(self, model):
+        self.calls = 0
+        original = model.forward
+
+        def forward(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        model.forward = forward
+
+
+@pytest.fixture
+def service(stories, serve):
+    model, tokenizer, model_id = stories
+    counter = Counted(model)
+    server = serve(TargetRunner(model, tokenizer, model_id), LIMITS)
+    channel = grpc.insecure_channel(server.address)
+    stub = pb_grpc.VerifyServiceStub(channel)
+    yield stub, counter, tokenizer_fingerprint(tokenizer), server
+    channel.close()
+    del model.forward  # restore the class method
+
+
+def _open(stub, fp, prompt=(1, 40, 50, 60), temperature=0.0, **kw):
+    return stub.OpenSession(pb.OpenSessionRequest(prompt_ids=list(prompt), tokenizer_fingerprint=fp,
+                                                  sampling=pb.SamplingParams(temperature=temperature, **kw)), timeout=30)
+
+
+def _verify(stub, sid, step, tokens=(5, 6), parents=(-1, 0), probs=None):
+    req = pb.VerifyRequest(session_id=sid, step=step, tree=pb.DraftTree(tokens=list(tokens), parents=list(parents)))
+    if probs is not None:
+        req.draft_probs.CopyFrom(probs)
+    return stub.Verify(req, timeout=30)
+
+
+def _expect(code, fn, counter):
+    before = counter.calls
+    with pytest.raises(grpc.RpcError) as err:
+        fn()
+    assert err.value.code() == code, err.value.details()
+    assert counter.calls == before, "the server did model work for a refused request"
+    return err.value.details()
+
+
+def test_info_and_health(service):
+    stub, _, fp, server = service
+    info = stub.Info(pb.InfoRequest(), timeout=10)
+    assert info.vocab_size == 512 and info.tokenizer_fingerprint == fp and info.max_tree_nodes == 8
+    channel = grpc.insecure_channel(server.address)
+    status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="splitspec.v1.VerifyService"))
+    assert status.status == health_pb2.HealthCheckResponse.SERVING
+    channel.close()
+
+
+def test_bad_open_requests(service):
+    stub, counter, fp, _ = service
+    C = grpc.StatusCode
+    _expect(C.FAILED_PRECONDITION, lambda: _open(stub, "not-the-tokenizer"), counter)
+    _expect(C.INVALID_ARGUMENT, lambda: _open(stub, fp, prompt=()), counter)
+    _expect(C.INVALID_ARGUMENT, lambda: _open(stub, fp, prompt=(1, 512)), counter)
+    _expect(C.INVALID_ARGUMENT, lambda: _open(stub, fp, prompt=(1, -3)), counter)
+    _expect(C.RESOURCE_EXHAUSTED, lambda: _open(stub, fp, prompt=[1] * 65), counter)
+    _expect(C.INVALID_ARGUMENT, lambda: _open(stub, fp, temperature=-1.0), counter)
+    _expect(C.INVALID_ARGUMENT, lambda: _open(stub, fp, temperature=float("nan")), counter)
+    _expect(C.INVALID_ARGUMENT, lambda: _open(stub, fp, temperature=1.0, top_p=1.5), counter)
+    bad_features = pb.OpenSessionRequest(prompt_ids=[1, 2], tokenizer_fingerprint=fp,
+                                         features=pb.FeatureSpec(kv_layers=[99]))
+    _expect(C.INVALID_ARGUMENT, lambda: stub.OpenSession(bad_features, timeout=10), counter)
+    assert _open(stub, fp).session_id  # still serving
+
+
+def test_bad_verify_requests(service):
+    stub, counter, fp, _ = service
+    C = grpc.StatusCode
+    sid = _open(stub, fp).session_id
+    _expect(C.NOT_FOUND, lambda: _verify(stub, b"\x00" * 16, 1), counter)
+    _expect(C.INVALID_ARGUMENT, lambda: _verify(stub, b"short", 1), counter)
+    _expect(C.RESOURCE_EXHAUSTED, lambda: _verify(stub, sid, 1, tokens=[3] * 9, parents=[-1] * 9), counter)
+    _expect(C.RESOURCE_EXHAUSTED, lambda: _verify(stub, sid, 1, tokens=[3] * 5, parents=[-1, 0, 1, 2, 3]), counter)
+    _expect(C.INVALID_ARGUMENT, lambda: _verify(stub, sid, 1, tokens=(5, 6), parents=(-1, 1)), counter)  # cycle
+    _expect(C.INVALID_ARGUMENT, lambda: _verify(stub, sid, 1, tokens=(5, 6), parents=(1, -1)), counter)
+    _expect(C.INVALID_ARGUMENT, lambda: _verify(stub, sid, 1, tokens=(5, 6), parents=(-1,)), counter)
+    _expect(C.INVALID_ARGUMENT, lambda: _verify(stub, sid, 1, tokens=(5, 512), parents=(-1, 0)), counter)
+    _expect(C.FAILED_PRECONDITION, lambda: _verify(stub, sid, 2), counter)  # step out of order
+    reply = _verify(stub, sid, 1)  # the session is intact after all that
+    assert reply.step == 1
+    calls = counter.calls
+    again = _verify(stub, sid, 1)  # a retried step: same reply, no model work
+    assert again == reply and counter.calls == calls
+    _expect(C.FAILED_PRECONDITION, lambda: _verify(stub, sid, 5), counter)
+    stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
+    _expect(C.NOT_FOUND, lambda: _verify(stub, sid, 2), counter)
+
+
+def test_context_limit(service):
+    stub, counter, fp, _ = service
+    sid = _open(stub, fp, prompt=[1] * 60).session_id
+    step = 1
+    while True:  # LIMITS.max_context = 100: grow the session with one-token steps until refused
+        try:
+            _verify(stub, sid, step, tokens=[3] * 8, parents=[-1] * 8)
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "exceeds" in err.details()
+            break
+        step += 1
+        assert step < 50
+
+
+def test_bad_draft_probs(service):
+    stub, counter, fp, _ = service
+    C = grpc.StatusCode
+    sid = _open(stub, fp, temperature=1.0).session_id
+    ids = torch.tensor([[5, 6, 7, 0]], dtype=torch.int32)
+    good = torch.tensor([[0.5, 0.25, 0.25, 0.0]])
+
+    def probs(i=ids, p=good, rows=(-1,)):
+        return pb.DraftProbs(rows=list(rows), token_ids=codec.encode(i), probs=codec.encode(p))
+
+    _expect(C.INVALID_ARGUMENT, lambda: _verify(stub, sid, 1, probs=probs(p=good * 2)), counter)
+    _expect(C.INVALID_ARGUMENT, lambda: _verify(stub, sid, 1, probs=probs(p=torch.tensor([[float("nan"), 1, 0, 0]]))), counter)
+    _expect(C.INVALID_ARGUMENT, lambda: _verify(stub, sid, 1, probs=probs(i=ids.long())), counter)
+    _expect(C.INVALID_ARGUMENT, lambda: _verify(stub, sid, 1, probs=probs(rows=(-1, -1))), counter)
+    _expect(C.INVALID_ARGUMENT, lambda: _verify(stub, sid, 1, probs=probs(rows=(7,))), counter)
+    _expect(C.INVALID_ARGUMENT, lambda: _verify(stub, sid, 1, tokens=(9,), parents=(-1,), probs=probs()), counter)
+    wide = torch.zeros(1, 17, dtype=torch.int32)
+    _expect(C.RESOURCE_EXHAUSTED, lambda: _verify(stub, sid, 1, tokens=(0,), parents=(-1,),
+                                                  probs=probs(i=wide, p=torch.full((1, 17), 1 / 17))), counter)
+    reply = _verify(stub, sid, 1, tokens=(5,), parents=(-1,), probs=probs())
+    assert reply.step == 1
+
+
+def test_session_limit_and_ttl(stories, serve):
+    model, tokenizer, model_id = stories
+    server = serve(TargetRunner(model, tokenizer, model_id),
+                   ServerLimits(max_sessions=2, session_idle_ttl_s=0.5))
+    channel = grpc.insecure_channel(server.address)
+    stub = pb_grpc.VerifyServiceStub(channel)
+    fp = tokenizer_fingerprint(tokenizer)
+    first = _open(stub, fp).session_id
+    _open(stub, fp)
+    with pytest.raises(grpc.RpcError) as err:
+        _open(stub, fp)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    time.sleep(0.7)
+    with pytest.raises(grpc.RpcError) as err:
+        _verify(stub, first, 1)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert _open(stub, fp).session_id  # the idle sessions were evicted, so there is room again
+    channel.close()
+
+
+def test_oversize_message_refused(service):
+    stub, counter, fp, _ = service
+    huge = pb.OpenSessionRequest(prompt_ids=[1] * 2_000_000, tokenizer_fingerprint=fp)
+    _expect(grpc.StatusCode.RESOURCE_EXHAUSTED, lambda: stub.OpenSession(huge, timeout=30), counter)
+    assert _open(stub, fp).session_id
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(tokens=st.lists(st.integers(-5, 600), max_size=12), parents=st.lists(st.integers(-3, 12), max_size=12),
+       step=st.integers(0, 3))
+def test_fuzz_verify(service, tokens, parents, step):
+    """Any tree either verifies or is refused with INVALID_ARGUMENT / RESOURCE_EXHAUSTED /
+    FAILED_PRECONDITION; never INTERNAL, and the server stays healthy."""
+    stub, _, fp, _ = service
+    sid = _open(stub, fp).session_id
+    try:
+        _verify(stub, sid, step, tokens=tokens, parents=parents)
+    except grpc.RpcError as err:
+        assert err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              grpc.StatusCode.FAILED_PRECONDITION), err.details()
+    stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)

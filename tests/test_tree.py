@@ -1,0 +1,74 @@
+"""Tree buffers against a brute-force oracle, and tree validation."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from splitspec.shared.tree import DraftTree, TreeError, tree_buffers, validate_tree
+
+
+def _random_parents(rng: random.Random, n: int) -> tuple[int, ...]:
+    return tuple(rng.randrange(-1, i) for i in range(n))
+
+
+def _oracle_ancestors(parents, row):
+    """Rows visible from `row` (root prepended as row 0), walking parent pointers."""
+    seen = {row, 0}
+    node = row - 1
+    while node >= 0:
+        seen.add(node + 1)
+        node = parents[node]
+    return seen
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_buffers_match_oracle(seed):
+    rng = random.Random(seed)
+    parents = _random_parents(rng, rng.randrange(0, 30))
+    buf = tree_buffers(parents)
+    rows = len(parents) + 1
+    for r in range(rows):
+        expected = _oracle_ancestors(parents, r)
+        assert set(torch.nonzero(buf.ancestor_mask[r]).flatten().tolist()) == expected
+        assert buf.depth[r] == len(expected) - 1
+    leaves = [r for r in range(rows) if (r - 1) not in parents]
+    assert sorted(p[-1] for p in buf.paths) == leaves
+    for path in buf.paths:
+        assert path[0] == 0
+        assert all(parents[b - 1] == a - 1 for a, b in zip(path, path[1:]))
+
+
+def test_mask_and_positions():
+    buf = tree_buffers((-1, -1, 0))  # root -> {a, b}, a -> c
+    assert buf.position_ids(10).tolist() == [[10, 11, 11, 12]]
+    mask = buf.attention_mask(3, torch.float32)
+    assert mask.shape == (1, 1, 4, 7)
+    visible = (mask[0, 0] == 0).int().tolist()
+    assert visible == [[1, 1, 1, 1, 0, 0, 0],
+                       [1, 1, 1, 1, 1, 0, 0],
+                       [1, 1, 1, 1, 0, 1, 0],
+                       [1, 1, 1, 1, 1, 0, 1]]
+
+
+@pytest.mark.parametrize("tokens,parents,kwargs,message", [
+    ((1, 2), (-1,), {}, "parents"),
+    ((1, 2), (-1, 1), {}, "parent 1"),          # self-loop / cycle
+    ((1, 2), (0, -1), {}, "parent 0"),          # forward reference
+    ((1, 2), (-1, -2), {}, "parent -2"),
+    ((1, 600), (-1, 0), {"vocab_size": 512}, "token id 600"),
+    ((1, -5), (-1, 0), {}, "token id -5"),
+    ((1,) * 5, (-1, 0, 1, 2, 3), {"max_depth": 4}, "depth 5"),
+    ((1,) * 5, (-1,) * 5, {"max_nodes": 4}, "5 nodes"),
+])
+def test_validation_rejects(tokens, parents, kwargs, message):
+    with pytest.raises(TreeError, match=message):
+        validate_tree(tokens, parents, **kwargs)
+
+
+def test_draft_tree_helpers():
+    tree = DraftTree((5, 6, 7, 8), (-1, -1, 0, 0))
+    assert tree.children(-1) == [0, 1] and tree.children(0) == [2, 3]
+    assert tree.depths() == (1, 1, 2, 2)
+    assert DraftTree.chain([3, 4, 5]).parents == (-1, 0, 1)
