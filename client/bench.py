@@ -34,6 +34,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--limit", type=int, default=1, help="prompts per Spec-Bench category / HumanEval")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--spec-bench", default=None, help="path to Spec-Bench question.jsonl")
+    p.add_argument("--lsa-placement", default="client", choices=["client", "server"])
+    p.add_argument("--feature-quant", default="fp16", choices=["fp16", "int8", "fp8"])
     p.add_argument("--out", default=None, help="write results.jsonl and table.md here")
     p.set_defaults(func=cmd_bench)
 
@@ -86,13 +88,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(target: str, port: int, timeout_s: float = 300.0) -> subprocess.Popen:
+def start_server(target: str, port: int, timeout_s: float = 300.0, extra: list[str] = ()) -> subprocess.Popen:
     """Start `splitspec serve` as a child process and wait until its health check says SERVING."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     proc = subprocess.Popen([sys.executable, "-m", "splitspec.client.cli", "serve", "--target", target,
-                             "--port", str(port)], stdout=subprocess.DEVNULL)
+                             "--port", str(port), *extra], stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -129,11 +131,16 @@ def cmd_bench(args) -> None:
     server = None
     if "split" in modes:
         port = free_port()
-        server = start_server(args.target, port)
+        hosted = [f"--lsa={m}" for m in methods if m.startswith("moa")] if args.lsa_placement == "server" else []
+        server = start_server(args.target, port, extra=hosted)
         verifiers["split"] = RemoteVerifier(f"127.0.0.1:{port}")
     try:
+        from .cli import FEATURE_QUANT
+
         decoders = {(mode, m): SpeculativeDecoder(verifiers[mode], make_drafter(
-            m, target_fingerprint=local.info.tokenizer_fingerprint)) for mode in modes for m in methods}
+            m, target_fingerprint=local.info.tokenizer_fingerprint, target=args.target, target_model=model,
+            lsa_placement=args.lsa_placement, quantization=FEATURE_QUANT[args.feature_quant]))
+            for mode in modes for m in methods}
         rows = []
         eos = list(local.info.eos_token_ids)
         for prompt in tqdm(prompts, desc="bench", unit="prompt"):

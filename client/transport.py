@@ -27,24 +27,31 @@ CHANNEL_OPTIONS = [
 
 
 class RemoteVerifier(Verifier):
-    """Connects to `address` (HOST:PORT) and reads the server's Info.
+    """Connects to `address` (HOST:PORT) and reads the server's Info. `timeout_s` is every call's
+    deadline, `connect_timeout_s` the wait for the first connection.
 
     Raises:
-        grpc.RpcError: the server cannot be reached within `timeout_s`.
+        ConnectionError: the server cannot be reached within `timeout_s`.
+        grpc.RpcError: the server refused the Info call.
     """
 
-    def __init__(self, address: str, timeout_s: float = 60.0) -> None:
+    def __init__(self, address: str, timeout_s: float = 60.0, connect_timeout_s: float = 10.0) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.VerifyServiceStub(self.channel)
-        grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=connect_timeout_s)
+        except grpc.FutureTimeoutError as err:
+            self.channel.close()
+            raise ConnectionError(f"no verify service reachable at {address} within {connect_timeout_s:g} s") from err
         info = self.stub.Info(pb.InfoRequest(), timeout=timeout_s)
         self.info = ServerInfo(
             model_id=info.model_id, tokenizer_fingerprint=info.tokenizer_fingerprint, vocab_size=info.vocab_size,
             num_layers=info.num_layers, hidden_size=info.hidden_size, max_context=info.max_context,
             max_tree_nodes=info.max_tree_nodes, max_tree_depth=info.max_tree_depth,
-            max_draft_support=info.max_draft_support, eos_token_ids=tuple(info.eos_token_ids))
+            max_draft_support=info.max_draft_support, eos_token_ids=tuple(info.eos_token_ids),
+            lsa_ids=tuple(info.lsa_ids))
 
     def open(self, prompt_ids, sampling, features):
         request = pb.OpenSessionRequest(prompt_ids=prompt_ids, sampling=sampling.to_pb(pb.SamplingParams),

@@ -26,7 +26,7 @@ from splitspec.v1 import verify_pb2 as pb
 from splitspec.v1 import verify_pb2_grpc as pb_grpc
 
 from .runner import TargetRunner, TargetSession
-from .validation import ServiceError, check_draft_probs, check_open, check_tree
+from .validation import ServiceError, check_context, check_draft_probs, check_open, check_tree
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,8 @@ SERVICE_NAME = "splitspec.v1.VerifyService"
 
 @dataclass
 class _Entry:
-    session: TargetSession
+    session_id: bytes
+    session: TargetSession | None
     last_used: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     last_reply: pb.VerifyReply | None = None
@@ -69,16 +70,13 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         self.eos_ids = eos_token_ids(runner.model, runner.tokenizer)
         self.sessions: dict[bytes, _Entry] = {}
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target")
-        self.model_calls = 0  # forward passes run, for tests and metrics
 
     async def _run(self, fn, *args):
-        """Run model work on the worker; returns (result, queue_ms)."""
-        queued = time.perf_counter()
-
+        """Run model work on the worker; returns (result, perf_counter time the work started)."""
         def job():
-            return fn(*args), (time.perf_counter() - queued) * 1e3
+            started = time.perf_counter()
+            return fn(*args), started
 
-        self.model_calls += 1
         return await asyncio.get_running_loop().run_in_executor(self.worker, job)
 
     @_refusals
@@ -90,23 +88,24 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
             max_tree_nodes=lim.max_tree_nodes, max_tree_depth=lim.max_tree_depth,
             max_prompt_tokens=lim.max_prompt_tokens, max_sessions=lim.max_sessions,
             session_idle_ttl_s=lim.session_idle_ttl_s, dtype=str(r.dtype).removeprefix("torch."),
-            eos_token_ids=self.eos_ids, max_draft_support=lim.max_draft_support)
+            eos_token_ids=self.eos_ids, max_draft_support=lim.max_draft_support, lsa_ids=sorted(r.lsa_modules))
 
     @_refusals
     async def OpenSession(self, request, context):
         arrived = time.perf_counter()
         prompt, sampling, features = check_open(
             request, fingerprint=self.fingerprint, vocab_size=self.runner.vocab_size,
-            num_layers=self.runner.num_layers, limits=self.limits, max_context=self.max_context)
+            num_layers=self.runner.num_layers, limits=self.limits, max_context=self.max_context,
+            lsa_ids=self.runner.lsa_modules.keys())
         self.evict_idle()
         if len(self.sessions) >= self.limits.max_sessions:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"server holds its maximum of {self.limits.max_sessions} sessions")
         session_id = os.urandom(16)
-        placeholder = _Entry(session=None)  # reserve the slot before awaiting the worker
+        placeholder = _Entry(session_id, None)  # reserve the slot before awaiting the worker
         self.sessions[session_id] = placeholder
         try:
-            (session, batch, forward_ms), queue_ms = await self._run(self.runner.open, prompt, sampling, features)
+            (session, batch, forward_ms), started = await self._run(self.runner.open, prompt, sampling, features)
         except BaseException:
             self.sessions.pop(session_id, None)
             raise
@@ -114,38 +113,49 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         placeholder.last_used = time.monotonic()
         return pb.OpenSessionReply(
             session_id=session_id, first_token=session.pending_token, features=batch.to_pb(features),
-            timings=_timings(arrived, queue_ms, forward_ms))
+            timings=_timings(arrived, (started - arrived) * 1e3, forward_ms))
 
     @_refusals
     async def Verify(self, request, context):
         arrived = time.perf_counter()
         entry = self._entry(request.session_id)
         async with entry.lock:
-            if entry.closed:
-                raise ServiceError(grpc.StatusCode.NOT_FOUND, "session closed")
-            session = entry.session
             entry.last_used = time.monotonic()
-            if request.step == session.step and entry.last_reply is not None:
-                return entry.last_reply  # a retried step: same answer, no model work
-            if request.step != session.step + 1:
-                raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
-                                   f"step {request.step} out of order; expected {session.step + 1}")
-            context_len = cache_length(session.cache)
-            tree = check_tree(request, vocab_size=self.runner.vocab_size, limits=self.limits,
-                              context_len=context_len, max_context=self.max_context)
+            tree = check_tree(request, vocab_size=self.runner.vocab_size, limits=self.limits)
             draft_probs = {}
-            if not session.sampling.greedy and request.HasField("draft_probs"):
+            if not entry.session.sampling.greedy and request.HasField("draft_probs"):
                 draft_probs = check_draft_probs(request.draft_probs, tree, vocab_size=self.runner.vocab_size,
                                                 limits=self.limits)
-            out, queue_ms = await self._run(self.runner.verify, session, tree, draft_probs)
-            session.step = request.step
+            reply, _ = await self._run(self._verify_step, entry, request.step, tree, draft_probs, arrived)
             entry.last_used = time.monotonic()
-            reply = pb.VerifyReply(
-                step=request.step, accepted_nodes=out.accept.accepted_nodes, accepted_tokens=out.accepted_tokens,
-                bonus_token=out.accept.bonus_token, bonus_recovered=out.accept.recovered,
-                features=out.features.to_pb(session.features), timings=_timings(arrived, queue_ms, out.forward_ms))
-            entry.last_reply = reply
             return reply
+
+    def _verify_step(self, entry: _Entry, step: int, tree, draft_probs, arrived: float) -> pb.VerifyReply:
+        """One step on the worker thread. Step bookkeeping happens here, serialized with the model
+        work, so a call whose client gave up still records its reply and a retry gets that reply."""
+        session = entry.session
+        if entry.closed:
+            raise ServiceError(grpc.StatusCode.NOT_FOUND, "session closed")
+        if step == session.step and entry.last_reply is not None:
+            return entry.last_reply  # a retried step: same answer, no model work
+        if step != session.step + 1:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, f"step {step} out of order; expected {session.step + 1}")
+        check_context(cache_length(session.cache), tree.size, self.max_context)
+        started = time.perf_counter()
+        try:
+            out = self.runner.verify(session, tree, draft_probs)
+        except Exception:
+            entry.closed = True  # the cache may be half-updated: this session cannot go on
+            self.sessions.pop(entry.session_id, None)
+            raise
+        reply = pb.VerifyReply(
+            step=step, accepted_nodes=out.accept.accepted_nodes, accepted_tokens=out.accepted_tokens,
+            bonus_token=out.accept.bonus_token, bonus_recovered=out.accept.recovered,
+            features=out.features.to_pb(session.features),
+            timings=_timings(arrived, (started - arrived) * 1e3, out.forward_ms))
+        session.step = step
+        entry.last_reply = reply
+        return reply
 
     @_refusals
     async def CloseSession(self, request, context):
@@ -177,8 +187,8 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
 
 
 def _timings(arrived: float, queue_ms: float, forward_ms: float) -> pb.Timings:
-    return pb.Timings(queue_ms=max(queue_ms - forward_ms, 0.0), forward_ms=forward_ms,
-                      total_ms=(time.perf_counter() - arrived) * 1e3)
+    """queue_ms: from arrival until model work began (validation + waiting for the worker)."""
+    return pb.Timings(queue_ms=max(queue_ms, 0.0), forward_ms=forward_ms, total_ms=(time.perf_counter() - arrived) * 1e3)
 
 
 async def create_server(runner: TargetRunner, address: str = "127.0.0.1:0",

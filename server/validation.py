@@ -34,7 +34,7 @@ def invalid(message: str) -> ServiceError:
 
 
 def check_open(request: pb.OpenSessionRequest, *, fingerprint: str, vocab_size: int, num_layers: int,
-               limits: ServerLimits, max_context: int) -> tuple[list[int], SamplingParams, FeatureRequest]:
+               limits: ServerLimits, max_context: int, lsa_ids=()) -> tuple[list[int], SamplingParams, FeatureRequest]:
     """Validate an OpenSession request; returns (prompt ids, sampling params, feature request)."""
     if request.tokenizer_fingerprint != fingerprint:
         raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
@@ -70,14 +70,16 @@ def check_open(request: pb.OpenSessionRequest, *, fingerprint: str, vocab_size: 
         raise invalid("feature layers must not repeat")
     if features.quantization not in (pb.QUANTIZATION_NONE, pb.QUANTIZATION_INT8, pb.QUANTIZATION_FP8_E4M3):
         raise invalid(f"unknown feature quantization {features.quantization}")
+    if features.lsa_id and features.lsa_id not in lsa_ids:
+        raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"this server does not host LSA {features.lsa_id!r}; it hosts {sorted(lsa_ids)}")
     if features.codec not in (pb.CODEC_NONE, pb.CODEC_ZSTD):
         raise invalid(f"unknown feature codec {features.codec}")
     return prompt, sampling, features
 
 
-def check_tree(request: pb.VerifyRequest, *, vocab_size: int, limits: ServerLimits, context_len: int,
-               max_context: int) -> DraftTree:
-    """Validate the draft tree of a Verify request against the limits and the session's context."""
+def check_tree(request: pb.VerifyRequest, *, vocab_size: int, limits: ServerLimits) -> DraftTree:
+    """Validate the draft tree of a Verify request against the limits."""
     tokens, parents = list(request.tree.tokens), list(request.tree.parents)
     try:
         validate_tree(tokens, parents, vocab_size=vocab_size, max_nodes=limits.max_tree_nodes,
@@ -85,10 +87,14 @@ def check_tree(request: pb.VerifyRequest, *, vocab_size: int, limits: ServerLimi
     except TreeError as err:
         code = grpc.StatusCode.RESOURCE_EXHAUSTED if "limit" in str(err) else grpc.StatusCode.INVALID_ARGUMENT
         raise ServiceError(code, str(err)) from err
-    if context_len + 1 + len(tokens) > max_context:
-        raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"context {context_len} + pending token + {len(tokens)} tree nodes exceeds {max_context}")
     return DraftTree(tuple(tokens), tuple(parents))
+
+
+def check_context(context_len: int, tree_size: int, max_context: int) -> None:
+    """The cached context, the pending token and the tree must fit the session's context."""
+    if context_len + 1 + tree_size > max_context:
+        raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"context {context_len} + pending token + {tree_size} tree nodes exceeds {max_context}")
 
 
 def check_draft_probs(msg: pb.DraftProbs, tree: DraftTree, *, vocab_size: int,

@@ -86,3 +86,22 @@ def test_smollm2_spec_bench_split(smollm2, serve):
         assert gen.tokens == ref, name
     local = SpeculativeDecoder(LocalVerifier(runner), NgramDrafter()).generate(prompt, n, stop_on_eos=False)
     assert local.tokens == ref
+
+
+def test_sampling_split_with_draft_model(stories, stories_path, serve):
+    """Sampled drafting sends draft probabilities the server accepts; runs are seeded."""
+    from splitspec.shared.sampling import SamplingParams
+
+    model, tokenizer, model_id = stories
+    verifier = RemoteVerifier(serve(TargetRunner(model, tokenizer, model_id)).address)
+    draft, _, _ = load_model(f"{stories_path}@layers=3")
+    prompt = tokenizer("One day, a little bird")["input_ids"]
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
+    runs = [SpeculativeDecoder(verifier, DraftModelDrafter(draft, TreeConfig(depth=3, top_b=2, max_nodes=6), seed=3))
+            .generate(prompt, 40, params, stop_on_eos=False) for _ in range(2)]
+    assert runs[0].tokens == runs[1].tokens and len(runs[0].tokens) == 40
+    assert runs[0].stats.tau > 1.0  # some drafts were accepted under sampling
+    greedy = SpeculativeDecoder(verifier, DraftModelDrafter(draft, TreeConfig(depth=3, top_b=2, max_nodes=6)))
+    plain = greedy.generate(prompt, 40, stop_on_eos=False)  # no draft probabilities travel when greedy
+    per_call = lambda g: g.stats.bytes_sent / g.stats.target_calls  # noqa: E731
+    assert per_call(runs[0]) > per_call(plain) + 100

@@ -197,3 +197,21 @@ def test_fuzz_verify(service, tokens, parents, step):
         assert err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
                               grpc.StatusCode.FAILED_PRECONDITION), err.details()
     stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
+
+
+def test_retry_after_client_deadline(service):
+    """A call whose client gave up still completes on the server; the retry of that step gets the
+    recorded reply and the session goes on in order."""
+    stub, counter, fp, _ = service
+    sid = _open(stub, fp).session_id
+    with pytest.raises(grpc.RpcError) as err:
+        _verify_with_timeout(stub, sid, 1, 0.0005)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    first = _verify(stub, sid, 1)
+    assert _verify(stub, sid, 1) == first
+    assert _verify(stub, sid, 2).step == 2
+
+
+def _verify_with_timeout(stub, sid, step, timeout):
+    req = pb.VerifyRequest(session_id=sid, step=step, tree=pb.DraftTree(tokens=[5, 6], parents=[-1, 0]))
+    return stub.Verify(req, timeout=timeout)

@@ -21,7 +21,7 @@ from .base import DraftLimits, Drafter, Proposal
 class NgramDrafter(Drafter):
     name = "ngram"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, depth: int = 8, branches: int = 3) -> None:
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 2, depth: int = 8, branches: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.max_ngram, self.min_ngram, self.depth, self.branches = max_ngram, min_ngram, depth, branches

@@ -1,0 +1,87 @@
+"""The command line: generate (local and split, text and JSON), chat, refusals."""
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from splitspec.client.cli import main
+from splitspec.server.runner import TargetRunner
+
+from .conftest import reference_greedy
+
+
+def _run(capsys, argv):
+    code = main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_generate_local_json_equals_generate(stories, stories_path, capsys):
+    model, tokenizer, _ = stories
+    code, out, _ = _run(capsys, ["generate", "--local", "--target", str(stories_path), "--prompt", "Once upon a time",
+                                 "--drafter", "ngram", "--max-new-tokens", "30", "--json"])
+    assert code == 0
+    result = json.loads(out)
+    from splitspec.shared.models import encode_chat
+
+    prompt = encode_chat(tokenizer, [{"role": "user", "content": "Once upon a time"}])
+    ref = reference_greedy(model, prompt, 30)
+    eos = tokenizer.eos_token_id
+    expected = ref[: ref.index(eos) + 1] if eos in ref else ref
+    assert result["token_ids"] == expected
+    assert result["stats"]["new_tokens"] == len(expected) and result["mode"] == "single-device"
+
+
+def test_generate_split_streams_and_reports(stories, stories_path, serve, capsys):
+    model, tokenizer, model_id = stories
+    server = serve(TargetRunner(model, tokenizer, model_id))
+    code, out, _ = _run(capsys, ["generate", "--server", server.address, "--target", str(stories_path),
+                                 "--prompt", "Tom had a red ball", "--drafter", f"draft-model:{stories_path}@layers=2",
+                                 "--max-new-tokens", "25"])
+    assert code == 0
+    assert "target calls" in out and "tau" in out and "sent" in out
+    code, out, _ = _run(capsys, ["generate", "--server", server.address, "--target", str(stories_path),
+                                 "--prompt", "Tom had a red ball", "--no-spec", "--max-new-tokens", "10", "--json"])
+    stats = json.loads(out)["stats"]
+    assert stats["target_calls"] == stats["new_tokens"] and stats["bytes_sent"] > 0
+
+
+def test_sampling_is_seeded(stories_path, capsys):
+    argv = ["generate", "--local", "--target", str(stories_path), "--prompt", "Lily saw a cat", "--drafter", "ngram",
+            "--max-new-tokens", "20", "--temperature", "0.9", "--top-p", "0.9", "--seed", "7", "--json"]
+    first = json.loads(_run(capsys, argv)[1])["token_ids"]
+    assert json.loads(_run(capsys, argv)[1])["token_ids"] == first
+
+
+def test_chat_commands(stories_path, monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.StringIO("/stats\nHello there\n/stats\n/reset\nBye\n/quit\n"))
+    code, out, _ = _run(capsys, ["chat", "--local", "--target", str(stories_path), "--drafter", "ngram",
+                                 "--max-new-tokens", "8"])
+    assert code == 0
+    assert "(no answer yet)" in out and "target calls" in out and "(conversation cleared)" in out
+    assert out.count("bot>") == 2
+
+
+def test_tokenizer_mismatch_is_refused(stories_path, serve, stories, capsys, tiny_random):
+    model, tokenizer, model_id = stories
+    from splitspec.client.drafters import TokenizerMismatch, make_drafter
+
+    with pytest.raises(TokenizerMismatch):
+        make_drafter(f"draft-model:{stories_path}@layers=1", target_fingerprint="0" * 32)
+    server = serve(TargetRunner(model, tokenizer, model_id))
+    code, _, err = _run(capsys, ["generate", "--server", server.address, "--target", "smollm2-135m",
+                                 "--prompt", "hi", "--max-new-tokens", "5"])
+    assert code == 2 and "tokenizer" in err
+
+
+def test_unreachable_server_is_a_clear_error(stories_path, capsys):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code, _, err = _run(capsys, ["generate", "--server", f"127.0.0.1:{port}", "--target", str(stories_path),
+                                 "--prompt", "hi", "--connect-timeout", "1"])
+    assert code == 2 and "no verify service reachable" in err
