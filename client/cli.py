@@ -9,11 +9,16 @@ import asyncio
 import json
 import logging
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+
+import grpc
 
 from splitspec.shared.config import ServerLimits, TreeConfig
 from splitspec.shared.models import DEFAULT_TARGET
 from splitspec.shared.sampling import SamplingParams
+from splitspec.v1 import verify_pb2 as pb
+
+FEATURE_QUANT = {"fp16": pb.QUANTIZATION_NONE, "int8": pb.QUANTIZATION_INT8, "fp8": pb.QUANTIZATION_FP8_E4M3}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError, OSError) as err:
         print(f"splitspec: error: {err}", file=sys.stderr)
         return 2
+    except grpc.RpcError as err:
+        print(f"splitspec: error: the verify service answered {err.code().name}: {err.details()}", file=sys.stderr)
+        return 3
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tree-nodes", type=int, default=ServerLimits.max_tree_nodes)
     p.add_argument("--max-context", type=int, default=None)
     p.add_argument("--session-ttl", type=float, default=ServerLimits.session_idle_ttl_s, help="idle seconds")
+    p.add_argument("--lsa", action="append", default=[], metavar="DRAFTER",
+                   help="host this MoA drafter's LSA for clients with --lsa-placement server: moa[:tli=N|:PATH]")
     p.set_defaults(func=cmd_serve)
 
     for name, helptext in (("generate", "generate one answer"), ("chat", "multi-turn terminal chat")):
@@ -62,8 +72,42 @@ def build_parser() -> argparse.ArgumentParser:
             p.set_defaults(func=cmd_chat)
 
     from .bench import add_bench_parser
+    from .demo import add_demo_parser
+
     add_bench_parser(sub)
+    add_demo_parser(sub)
+    _add_train_parser(sub)
     return parser
+
+
+def _add_train_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a MoA or EAGLE-2 drafter by distillation from the target")
+    p.add_argument("--drafter", required=True, choices=["moa", "eagle2"])
+    p.add_argument("--tli", type=int, default=0, help="MoA Target Layer Inference: last N target layers reused")
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--data", default="sharegpt", choices=["sharegpt"])
+    p.add_argument("--max-tokens", type=int, default=200_000, help="training tokens per epoch")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--max-len", type=int, default=512)
+    p.add_argument("--batch", type=int, default=8, help="conversations per optimizer step")
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--eval-every", type=int, default=50, help="optimizer steps between held-out evaluations")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--resume", action="store_true")
+    p.set_defaults(func=cmd_train)
+
+
+def cmd_train(args) -> None:
+    from pathlib import Path
+
+    from splitspec.train.trainer import TrainConfig, train
+
+    cfg = TrainConfig(drafter=args.drafter, target=args.target, out=Path(args.out), tli=args.tli,
+                      max_tokens=args.max_tokens, epochs=args.epochs, max_len=args.max_len, batch=args.batch,
+                      lr=args.lr, eval_every=args.eval_every, seed=args.seed, device=args.device, resume=args.resume)
+    print(json.dumps(train(cfg)))
 
 
 def _add_device_args(p: argparse.ArgumentParser) -> None:
@@ -76,8 +120,12 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
     where.add_argument("--server", default="127.0.0.1:50051", help="verify service HOST:PORT (split mode)")
     where.add_argument("--local", action="store_true", help="single-device mode: target in this process")
     p.add_argument("--target", default=DEFAULT_TARGET, help="target model for --local, and the tokenizer")
-    p.add_argument("--drafter", default="draft-model:smollm2-135m@layers=8",
-                   help="none | ngram | draft-model:MODEL[@layers=N]")
+    p.add_argument("--drafter", default="ngram",
+                   help="none | ngram | draft-model:MODEL[@layers=N] | moa[:tli=N|:PATH] | eagle2[:PATH]")
+    p.add_argument("--lsa-placement", default="client", choices=["client", "server"],
+                   help="MoA: run Layer Self-Attention here (server sends all layers' K/V) or on the server")
+    p.add_argument("--feature-quant", default="fp16", choices=sorted(FEATURE_QUANT),
+                   help="quantization of the features the server sends")
     p.add_argument("--no-spec", action="store_true", help="baseline: one target call per token")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -88,6 +136,8 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-top-b", type=int, default=TreeConfig.top_b)
     p.add_argument("--tree-nodes", type=int, default=TreeConfig.max_nodes)
     p.add_argument("--system", default=None, help="system prompt (chat template)")
+    p.add_argument("--timeout", type=float, default=60.0, help="deadline of each server call, s")
+    p.add_argument("--connect-timeout", type=float, default=10.0, help="wait for the server, s")
     _add_device_args(p)
 
 
@@ -102,10 +152,22 @@ def cmd_serve(args) -> None:
     from splitspec.server.service import serve
     from splitspec.shared.models import load_model
 
+    from splitspec.shared.drafters.checkpoint import TargetIdentity, checkpoint_id, load_checkpoint
+
+    from .drafters import checkpoint_path
+
     model, tokenizer, model_id = load_model(args.target, device=args.device, dtype=args.dtype)
+    identity = TargetIdentity.of(model, tokenizer, model_id)
+    lsa_modules = {}
+    for name in args.lsa:
+        path = checkpoint_path(name, args.target)
+        kind, module, _ = load_checkpoint(path, identity, dtype=model.dtype)
+        if kind != "moa":
+            raise ValueError(f"--lsa {name}: {path} is a {kind} checkpoint, not moa")
+        lsa_modules[checkpoint_id(path)] = module.to(args.device)
     limits = ServerLimits(max_sessions=args.max_sessions, max_tree_nodes=args.max_tree_nodes,
                           max_context=args.max_context, session_idle_ttl_s=args.session_ttl)
-    asyncio.run(serve(TargetRunner(model, tokenizer, model_id), args.host, args.port, limits))
+    asyncio.run(serve(TargetRunner(model, tokenizer, model_id, lsa_modules), args.host, args.port, limits))
 
 
 @dataclass
@@ -141,7 +203,7 @@ def build_client(args) -> ClientSetup:
         from .transport import RemoteVerifier
 
         tokenizer = load_tokenizer(args.target)
-        verifier = RemoteVerifier(args.server)
+        verifier = RemoteVerifier(args.server, args.timeout, args.connect_timeout)
         mode = f"split via {args.server}"
         if tokenizer_fingerprint(tokenizer) != verifier.info.tokenizer_fingerprint:
             raise ValueError(f"the tokenizer of {args.target} differs from the server's target "
@@ -149,7 +211,9 @@ def build_client(args) -> ClientSetup:
     tree = TreeConfig(depth=args.tree_depth, top_b=args.tree_top_b, max_nodes=args.tree_nodes)
     drafter = make_drafter("none" if args.no_spec else args.drafter,
                            target_fingerprint=verifier.info.tokenizer_fingerprint, tree=tree,
-                           device=args.device, dtype=args.dtype, seed=args.seed)
+                           device=args.device, dtype=args.dtype, seed=args.seed, target=args.target,
+                           target_model=verifier.runner.model if args.local else None,
+                           lsa_placement=args.lsa_placement, quantization=FEATURE_QUANT[args.feature_quant])
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     return ClientSetup(SpeculativeDecoder(verifier, drafter), tokenizer, sampling, mode)
 
@@ -188,7 +252,7 @@ def cmd_generate(args) -> None:
     if args.json:
         print(json.dumps({"mode": setup.mode, "drafter": setup.decoder.drafter.name, "prompt_tokens": len(prompt_ids),
                           "token_ids": gen.tokens, "text": text, "stopped_by_eos": gen.stopped_by_eos,
-                          "stats": gen.stats.as_dict()}))
+                          "stats": gen.stats.as_dict(), "calls": [asdict(c) for c in gen.stats.calls]}))
     else:
         print(f"\n{gen.stats.summary()}")
     setup.decoder.verifier.close()

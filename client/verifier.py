@@ -30,6 +30,7 @@ class ServerInfo:
     max_tree_depth: int
     max_draft_support: int
     eos_token_ids: tuple[int, ...]
+    lsa_ids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,8 @@ class LocalVerifier(Verifier):
             model_id=runner.model_id, tokenizer_fingerprint=tokenizer_fingerprint(runner.tokenizer),
             vocab_size=runner.vocab_size, num_layers=runner.num_layers, hidden_size=runner.config.hidden_size,
             max_context=runner.max_positions, max_tree_nodes=max_tree_nodes, max_tree_depth=max_tree_depth,
-            max_draft_support=1 << 30, eos_token_ids=tuple(eos_token_ids(runner.model, runner.tokenizer)))
+            max_draft_support=1 << 30, eos_token_ids=tuple(eos_token_ids(runner.model, runner.tokenizer)),
+            lsa_ids=tuple(runner.lsa_modules))
 
     def open(self, prompt_ids, sampling, features):
         start = time.perf_counter()

@@ -13,6 +13,7 @@ import torch
 
 from splitspec.shared import kv
 from splitspec.shared.features import FeatureBatch, FeatureRequest
+from splitspec.shared.drafters.moa import stack_layer_kv
 from splitspec.shared.acceptance import AcceptResult, SparseProbs, accept_greedy, accept_sampling
 from splitspec.shared.sampling import SamplingParams, make_generator, sample, warp_probs
 from splitspec.shared.tree import DraftTree, tree_buffers
@@ -43,7 +44,10 @@ class StepOutput:
 class TargetRunner:
     """Runs the target model for sessions. Not thread-safe: call from one thread."""
 
-    def __init__(self, model, tokenizer, model_id: str) -> None:
+    def __init__(self, model, tokenizer, model_id: str, lsa_modules: dict | None = None) -> None:
+        """`lsa_modules`: MoA drafters (by checkpoint id) whose Layer Self-Attention this runner may
+        compute for clients that place LSA on the server."""
+        self.lsa_modules = dict(lsa_modules or {})
         self.model = model
         self.tokenizer = tokenizer
         self.model_id = model_id
@@ -119,4 +123,9 @@ class TargetRunner:
         for layer in spec.kv_layers:
             keys, values = kv.layer_kv(session.cache, layer, start, start + len(rows))
             batch.keys[layer], batch.values[layer] = keys.cpu(), values.cpu()
+        if spec.lsa_id:
+            module = self.lsa_modules[spec.lsa_id]
+            per_layer = [kv.layer_kv(session.cache, layer, start, start + len(rows)) for layer in range(self.num_layers)]
+            layer_kv = stack_layer_kv([k for k, _ in per_layer], [v for _, v in per_layer])
+            batch.lsa = module.memory(layer_kv.to(next(module.parameters()).dtype)).float().cpu()
         return batch

@@ -28,26 +28,27 @@ class FeatureRequest:
     kv_layers: tuple[int, ...] = ()
     quantization: int = pb.QUANTIZATION_NONE
     codec: int = pb.CODEC_ZSTD
+    lsa_id: str = ""  # run this MoA drafter's LSA on the server
 
     @property
     def empty(self) -> bool:
-        return not self.hidden_layers and not self.kv_layers
+        return not self.hidden_layers and not self.kv_layers and not self.lsa_id
 
     def to_pb(self) -> pb.FeatureSpec:
         return pb.FeatureSpec(hidden_layers=self.hidden_layers, kv_layers=self.kv_layers,
-                              quantization=self.quantization, codec=self.codec)
+                              quantization=self.quantization, codec=self.codec, lsa_id=self.lsa_id)
 
     @classmethod
     def from_pb(cls, msg: pb.FeatureSpec) -> "FeatureRequest":
         return cls(tuple(msg.hidden_layers), tuple(msg.kv_layers),
-                   msg.quantization or pb.QUANTIZATION_NONE, msg.codec or pb.CODEC_ZSTD)
+                   msg.quantization or pb.QUANTIZATION_NONE, msg.codec or pb.CODEC_ZSTD, msg.lsa_id)
 
 
 @dataclass
 class FeatureBatch:
     """Activations for positions [start, start + count).
 
-    hidden: layer -> [count, E]; keys / values: layer -> [Hkv, count, D].
+    hidden: layer -> [count, E]; keys / values: layer -> [Hkv, count, D]; lsa: [count, E] or None.
     """
 
     start: int
@@ -55,6 +56,7 @@ class FeatureBatch:
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
     keys: dict[int, torch.Tensor] = field(default_factory=dict)
     values: dict[int, torch.Tensor] = field(default_factory=dict)
+    lsa: torch.Tensor | None = None
 
     def to_pb(self, request: FeatureRequest) -> pb.Features:
         """Encode; unquantized floats travel as fp16."""
@@ -63,11 +65,14 @@ class FeatureBatch:
                 t = t.to(torch.float16)
             return codec.encode(t, request.quantization, request.codec)
 
-        return pb.Features(
+        msg = pb.Features(
             start=self.start, count=self.count,
             hidden=[pb.LayerTensor(layer=k, tensor=enc(v)) for k, v in self.hidden.items()],
             keys=[pb.LayerTensor(layer=k, tensor=enc(v)) for k, v in self.keys.items()],
             values=[pb.LayerTensor(layer=k, tensor=enc(v)) for k, v in self.values.items()])
+        if self.lsa is not None:
+            msg.lsa.CopyFrom(enc(self.lsa))
+        return msg
 
     @classmethod
     def from_pb(cls, msg: pb.Features, dtype: torch.dtype = torch.float32) -> "FeatureBatch":
@@ -75,4 +80,5 @@ class FeatureBatch:
         def dec(items) -> dict[int, torch.Tensor]:
             return {item.layer: codec.decode(item.tensor).to(dtype) for item in items}
 
-        return cls(msg.start, msg.count, dec(msg.hidden), dec(msg.keys), dec(msg.values))
+        lsa = codec.decode(msg.lsa).to(dtype) if msg.HasField("lsa") else None
+        return cls(msg.start, msg.count, dec(msg.hidden), dec(msg.keys), dec(msg.values), lsa)

@@ -15,9 +15,9 @@ def new_cache(config) -> DynamicCache:
     return DynamicCache(config=config)
 
 
-def cache_length(cache: DynamicCache) -> int:
-    """Number of cached positions (T)."""
-    return cache.get_seq_length()
+def cache_length(cache: DynamicCache, layer: int = 0) -> int:
+    """Number of cached positions (T) of `layer` (a cache may fill only some layers, e.g. TLI's)."""
+    return cache.get_seq_length(layer)
 
 
 def _layers(cache: DynamicCache):
@@ -30,9 +30,9 @@ def _layers(cache: DynamicCache):
     return layers
 
 
-def truncate(cache: DynamicCache, length: int) -> None:
-    """Keep the first `length` positions."""
-    current = cache_length(cache)
+def truncate(cache: DynamicCache, length: int, layer: int = 0) -> None:
+    """Keep the first `length` positions (lengths read from `layer`; every filled layer is cut)."""
+    current = cache_length(cache, layer)
     if length > current:
         raise ValueError(f"cannot truncate a cache of {current} positions to {length}")
     if length < current:

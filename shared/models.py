@@ -24,6 +24,9 @@ import torch
 log = logging.getLogger(__name__)
 
 DEFAULT_TARGET = "smollm2-135m"
+# For tokenizers without a chat template (base models such as stories260K): one line per turn.
+FALLBACK_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}assistant: {% endif %}")
 
 
 @dataclass(frozen=True)
@@ -136,7 +139,13 @@ def load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
     path, _ = resolve(ModelSpec.parse(name).source)
-    return AutoTokenizer.from_pretrained(path)
+    return _with_template(AutoTokenizer.from_pretrained(path))
+
+
+def _with_template(tokenizer):
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE
+    return tokenizer
 
 
 def load_model(name: str, *, device: str = "cpu", dtype: str | torch.dtype = "float32"):
@@ -157,7 +166,7 @@ def load_model(name: str, *, device: str = "cpu", dtype: str | torch.dtype = "fl
         early_exit(model, spec.layers)
         model_id = f"{model_id}@layers={spec.layers}"
     model.to(device).eval().requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = _with_template(AutoTokenizer.from_pretrained(path))
     return model, tokenizer, model_id
 
 
@@ -191,9 +200,17 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 
 
 def encode_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of a conversation with the generation prompt appended (chat template if any)."""
-    if tokenizer.chat_template:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    text = "\n".join(m["content"] for m in messages)
-    return tokenizer(text)["input_ids"]
+    """Token ids of a conversation with the generation prompt appended (the tokenizer's chat
+    template, or FALLBACK_CHAT_TEMPLATE for one loaded here without)."""
+    return encode_rendered(tokenizer, tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                                     tokenize=False))
+
+
+def encode_rendered(tokenizer, text: str) -> list[int]:
+    """Token ids of template-rendered text: the template's own special tokens are kept as written,
+    and BOS is prepended when the text does not already begin with it."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token
+    if tokenizer.bos_token_id is not None and bos and not text.startswith(bos):
+        ids = [tokenizer.bos_token_id] + ids
+    return ids

@@ -1,13 +1,18 @@
 """Drafters and the factory that builds one from its command-line name.
 
 Names: `none` (no drafting: one target call per token, the autoregressive baseline), `ngram`
-(prompt lookup), `draft-model:MODEL[@layers=N]` (an independent or early-exit causal LM).
+(prompt lookup), `draft-model:MODEL[@layers=N]` (an independent or early-exit causal LM),
+`moa[:tli=N | :PATH]` (Mixture of Attentions, seed 001) and `eagle2[:PATH]` (EAGLE-2 baseline);
+without a PATH the checkpoint shipped for the target is used (client/checkpoints/<target>/).
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from splitspec.shared.config import TreeConfig
-from splitspec.shared.models import load_model, tokenizer_fingerprint
+from splitspec.shared.models import ModelSpec, load_model, tokenizer_fingerprint
 from splitspec.shared.tree import DraftTree
+from splitspec.v1 import verify_pb2 as pb
 
 from .base import DraftLimits, Drafter, Proposal
 from .draft_model import DraftModelDrafter
@@ -33,19 +38,48 @@ class NoDrafter(Drafter):
         return Proposal(DraftTree.empty())
 
 
+CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
+
+
+def default_checkpoint(target: str, kind: str, tli: int = 0) -> Path:
+    """client/checkpoints/<target alias or name>/<moa-tliN | eagle2>."""
+    folder = ModelSpec.parse(target).source.replace("/", "--")
+    return CHECKPOINTS / folder / (f"moa-tli{tli}" if kind == "moa" else kind)
+
+
+def checkpoint_path(name: str, target: str) -> Path:
+    """The checkpoint directory a `moa[:tli=N|:PATH]` or `eagle2[:PATH]` name refers to."""
+    kind, _, arg = name.partition(":")
+    if kind not in ("moa", "eagle2"):
+        raise ValueError(f"{name!r} is not a moa or eagle2 drafter")
+    if arg.startswith("tli="):
+        return default_checkpoint(target, kind, int(arg.removeprefix("tli=")))
+    return Path(arg) if arg else default_checkpoint(target, kind)
+
+
 def make_drafter(name: str, *, target_fingerprint: str, tree: TreeConfig = TreeConfig(),
-                 device: str = "cpu", dtype: str = "float32", seed: int = 0) -> Drafter:
+                 device: str = "cpu", dtype: str = "float32", seed: int = 0, target: str | None = None,
+                 target_model=None, lsa_placement: str = "client", quantization: int = pb.QUANTIZATION_NONE,
+                 ) -> Drafter:
     """Build a drafter by name.
 
+    Args:
+        target / target_model: the target (name, and the loaded model if at hand) whose frozen
+            parts the self-drafting drafters (moa, eagle2) reuse.
+        lsa_placement, quantization: MoA feature options (see MoARuntime).
     Raises:
         ValueError: unknown drafter name.
-        TokenizerMismatch: a draft model whose tokenizer fingerprint differs from the target's.
+        TokenizerMismatch: a drafter whose tokenizer fingerprint differs from the target's.
+        CheckpointMismatch: a checkpoint trained for another target.
     """
     kind, _, arg = name.partition(":")
+    if kind in ("moa", "eagle2"):
+        return _self_drafter(kind, arg, target_fingerprint=target_fingerprint, tree=tree, seed=seed, target=target,
+                             target_model=target_model, lsa_placement=lsa_placement, quantization=quantization)
     if kind == "none":
         return NoDrafter()
     if kind == "ngram":
-        return NgramDrafter(depth=tree.depth + 3)
+        return NgramDrafter()
     if kind == "draft-model":
         if not arg:
             raise ValueError("draft-model needs a model: draft-model:MODEL[@layers=N]")
@@ -57,4 +91,39 @@ def make_drafter(name: str, *, target_fingerprint: str, tree: TreeConfig = TreeC
         drafter = DraftModelDrafter(model, tree, seed=seed)
         drafter.name = f"draft-model:{arg}"
         return drafter
-    raise ValueError(f"unknown drafter {name!r}; expected none, ngram or draft-model:MODEL[@layers=N]")
+    raise ValueError(f"unknown drafter {name!r}; expected none, ngram, draft-model:MODEL[@layers=N], "
+                     "moa[:tli=N|:PATH] or eagle2[:PATH]")
+
+
+def _self_drafter(kind: str, arg: str, *, target_fingerprint, tree, seed, target, target_model, lsa_placement,
+                  quantization) -> Drafter:
+    from splitspec.shared.drafters.checkpoint import TargetIdentity, checkpoint_id, load_checkpoint
+    from splitspec.shared.drafters.target_parts import TargetParts
+
+    from .eagle import EagleRuntime
+    from .moa import MoARuntime
+
+    if target is None:
+        raise ValueError(f"{kind} needs the target model (--target) for its embedding and LM head")
+    path = checkpoint_path(f"{kind}:{arg}", target)
+    if target_model is None:
+        target_model, tokenizer, model_id = load_model(target)
+    else:
+        from splitspec.shared.models import load_tokenizer
+
+        tokenizer, model_id = load_tokenizer(target), target
+    identity = TargetIdentity.of(target_model, tokenizer, model_id)
+    if identity.tokenizer_fingerprint != target_fingerprint:
+        raise TokenizerMismatch(f"{target} tokenizes differently from the server's target")
+    dtype = target_model.get_output_embeddings().weight.dtype
+    _, module, meta = load_checkpoint(path, identity, dtype=dtype)
+    if kind == "eagle2":
+        if meta["kind"] != "eagle2":
+            raise ValueError(f"{path} holds a {meta['kind']} drafter, not eagle2")
+        return EagleRuntime(module, TargetParts(target_model, 0), tree, quantization=quantization, seed=seed)
+    if meta["kind"] != "moa":
+        raise ValueError(f"{path} holds a {meta['kind']} drafter, not moa")
+    parts = TargetParts(target_model, module.config.tli)
+    lsa_id = checkpoint_id(path) if lsa_placement == "server" else ""
+    return MoARuntime(module, parts, tree, lsa_placement=lsa_placement, lsa_id=lsa_id, quantization=quantization,
+                      seed=seed)

@@ -15,10 +15,9 @@ import torch
 from splitspec.shared import kv
 from splitspec.shared.config import TreeConfig
 from splitspec.shared.sampling import SamplingParams, make_generator
-from splitspec.shared.tree import ROOT
 
 from .base import DraftLimits, Drafter, Proposal
-from .dynamic_tree import build_tree
+from .dynamic_tree import build_tree, frontier_mask
 
 
 class DraftModelDrafter(Drafter):
@@ -48,21 +47,11 @@ class DraftModelDrafter(Drafter):
         slots: dict[int, int] = {}  # pool index -> cache position
 
         def expand(frontier: list[int], pool) -> torch.Tensor:
-            cache_len = kv.cache_length(self.cache)
-            width = cache_len + len(frontier)
-            mask = torch.full((len(frontier), width), torch.finfo(self.dtype).min, dtype=self.dtype)
-            mask[:, :context_len] = 0
-            for row, node in enumerate(frontier):
-                ancestor = pool[node].parent
-                while ancestor != ROOT:
-                    mask[row, slots[ancestor]] = 0
-                    ancestor = pool[ancestor].parent
-                mask[row, cache_len + row] = 0
-                slots[node] = cache_len + row
+            mask = frontier_mask(frontier, pool, slots, context_len, kv.cache_length(self.cache), self.dtype)
             ids = torch.tensor([[pool[n].token for n in frontier]], device=self.device)
             positions = torch.tensor([[context_len - 1 + pool[n].depth for n in frontier]], device=self.device)
             out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True,
-                             attention_mask=mask.to(self.device)[None, None], position_ids=positions)
+                             attention_mask=mask.to(self.device), position_ids=positions)
             return out.logits[0].float()
 
         proposal = build_tree(root_logits, expand, self.tree, limits, sampling, self.generator)

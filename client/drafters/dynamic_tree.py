@@ -72,6 +72,26 @@ def build_tree(root_logits: torch.Tensor, expand: ExpandFn, config: TreeConfig, 
     return _rerank(pool, rows, max_nodes, sampling)
 
 
+def frontier_mask(frontier: list[int], pool: list[_Node], slots: dict[int, int], base_len: int, cache_len: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [1, 1, F, cache_len + F] for appending the frontier nodes to a drafter cache.
+
+    Each row sees the first `base_len` cache slots (the committed context), the slots of its
+    ancestors (expanded earlier, so already cached) and itself. Records each node's new slot in
+    `slots` (pool index -> cache position).
+    """
+    mask = torch.full((len(frontier), cache_len + len(frontier)), torch.finfo(dtype).min, dtype=dtype)
+    mask[:, :base_len] = 0
+    for row, node in enumerate(frontier):
+        ancestor = pool[node].parent
+        while ancestor != ROOT:
+            mask[row, slots[ancestor]] = 0
+            ancestor = pool[ancestor].parent
+        mask[row, cache_len + row] = 0
+        slots[node] = cache_len + row
+    return mask[None, None]
+
+
 def _add_children(pool, rows, parent, parent_score, depth, logits, top_b, sampling, generator, max_support):
     """Append up to `top_b` children of `parent`; returns their pool indices."""
     if sampling.greedy:

@@ -24,51 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19splitspec/v1/verify.proto\x12\x0csplitspec.v1\"\xaf\x01\n\x06Tensor\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.splitspec.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x30\n\x0cquantization\x18\x03 \x01(\x0e\x32\x1a.splitspec.v1.Quantization\x12\"\n\x05\x63odec\x18\x04 \x01(\x0e\x32\x13.splitspec.v1.Codec\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x0e\n\x06scales\x18\x06 \x01(\x0c\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\x8d\x01\n\x0b\x46\x65\x61tureSpec\x12\x15\n\rhidden_layers\x18\x01 \x03(\x05\x12\x11\n\tkv_layers\x18\x02 \x03(\x05\x12\x30\n\x0cquantization\x18\x03 \x01(\x0e\x32\x1a.splitspec.v1.Quantization\x12\"\n\x05\x63odec\x18\x04 \x01(\x0e\x32\x13.splitspec.v1.Codec\"\xa7\x01\n\x08\x46\x65\x61tures\x12\r\n\x05start\x18\x01 \x01(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\x12)\n\x06hidden\x18\x03 \x03(\x0b\x32\x19.splitspec.v1.LayerTensor\x12\'\n\x04keys\x18\x04 \x03(\x0b\x32\x19.splitspec.v1.LayerTensor\x12)\n\x06values\x18\x05 \x03(\x0b\x32\x19.splitspec.v1.LayerTensor\"B\n\x0bLayerTensor\x12\r\n\x05layer\x18\x01 \x01(\x05\x12$\n\x06tensor\x18\x02 \x01(\x0b\x32\x14.splitspec.v1.Tensor\"A\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nforward_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"\r\n\x0bInfoRequest\"\xcc\x02\n\tInfoReply\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x05 \x01(\x05\x12\x13\n\x0bmax_context\x18\x06 \x01(\x05\x12\x16\n\x0emax_tree_nodes\x18\x07 \x01(\x05\x12\x16\n\x0emax_tree_depth\x18\x08 \x01(\x05\x12\x19\n\x11max_prompt_tokens\x18\t \x01(\x05\x12\x14\n\x0cmax_sessions\x18\n \x01(\x05\x12\x1a\n\x12session_idle_ttl_s\x18\x0b \x01(\x01\x12\r\n\x05\x64type\x18\x0c \x01(\t\x12\x15\n\reos_token_ids\x18\r \x03(\x05\x12\x19\n\x11max_draft_support\x18\x0e \x01(\x05\"\xa4\x01\n\x12OpenSessionRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12.\n\x08sampling\x18\x02 \x01(\x0b\x32\x1c.splitspec.v1.SamplingParams\x12+\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x19.splitspec.v1.FeatureSpec\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\"\x8d\x01\n\x10OpenSessionReply\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\x12(\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x16.splitspec.v1.Features\x12&\n\x07timings\x18\x04 \x01(\x0b\x32\x15.splitspec.v1.Timings\",\n\tDraftTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\"h\n\nDraftProbs\x12\x0c\n\x04rows\x18\x01 \x03(\x05\x12\'\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.splitspec.v1.Tensor\x12#\n\x05probs\x18\x03 \x01(\x0b\x32\x14.splitspec.v1.Tensor\"\x87\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12%\n\x04tree\x18\x03 \x01(\x0b\x32\x17.splitspec.v1.DraftTree\x12-\n\x0b\x64raft_probs\x18\x04 \x01(\x0b\x32\x18.splitspec.v1.DraftProbs\"\xcc\x01\n\x0bVerifyReply\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x02 \x03(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x03(\x05\x12\x13\n\x0b\x62onus_token\x18\x04 \x01(\x05\x12\x17\n\x0f\x62onus_recovered\x18\x05 \x01(\x08\x12(\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0b\x32\x16.splitspec.v1.Features\x12&\n\x07timings\x18\x07 \x01(\x0b\x32\x15.splitspec.v1.Timings\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\"\x13\n\x11\x43loseSessionReply*\x8a\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0e\n\nDTYPE_INT8\x10\x04\x12\x0f\n\x0b\x44TYPE_INT32\x10\x05\x12\x0f\n\x0b\x44TYPE_INT64\x10\x06*u\n\x0cQuantization\x12\x1c\n\x18QUANTIZATION_UNSPECIFIED\x10\x00\x12\x15\n\x11QUANTIZATION_NONE\x10\x01\x12\x15\n\x11QUANTIZATION_INT8\x10\x02\x12\x19\n\x15QUANTIZATION_FP8_E4M3\x10\x03*>\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x0e\n\nCODEC_NONE\x10\x01\x12\x0e\n\nCODEC_ZSTD\x10\x02\x32\xb2\x02\n\rVerifyService\x12:\n\x04Info\x12\x19.splitspec.v1.InfoRequest\x1a\x17.splitspec.v1.InfoReply\x12O\n\x0bOpenSession\x12 .splitspec.v1.OpenSessionRequest\x1a\x1e.splitspec.v1.OpenSessionReply\x12@\n\x06Verify\x12\x1b.splitspec.v1.VerifyRequest\x1a\x19.splitspec.v1.VerifyReply\x12R\n\x0c\x43loseSession\x12!.splitspec.v1.CloseSessionRequest\x1a\x1f.splitspec.v1.CloseSessionReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19splitspec/v1/verify.proto\x12\x0csplitspec.v1\"\xaf\x01\n\x06Tensor\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.splitspec.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x30\n\x0cquantization\x18\x03 \x01(\x0e\x32\x1a.splitspec.v1.Quantization\x12\"\n\x05\x63odec\x18\x04 \x01(\x0e\x32\x13.splitspec.v1.Codec\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x0e\n\x06scales\x18\x06 \x01(\x0c\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\x9d\x01\n\x0b\x46\x65\x61tureSpec\x12\x15\n\rhidden_layers\x18\x01 \x03(\x05\x12\x11\n\tkv_layers\x18\x02 \x03(\x05\x12\x30\n\x0cquantization\x18\x03 \x01(\x0e\x32\x1a.splitspec.v1.Quantization\x12\"\n\x05\x63odec\x18\x04 \x01(\x0e\x32\x13.splitspec.v1.Codec\x12\x0e\n\x06lsa_id\x18\x05 \x01(\t\"\xca\x01\n\x08\x46\x65\x61tures\x12\r\n\x05start\x18\x01 \x01(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\x12)\n\x06hidden\x18\x03 \x03(\x0b\x32\x19.splitspec.v1.LayerTensor\x12\'\n\x04keys\x18\x04 \x03(\x0b\x32\x19.splitspec.v1.LayerTensor\x12)\n\x06values\x18\x05 \x03(\x0b\x32\x19.splitspec.v1.LayerTensor\x12!\n\x03lsa\x18\x06 \x01(\x0b\x32\x14.splitspec.v1.Tensor\"B\n\x0bLayerTensor\x12\r\n\x05layer\x18\x01 \x01(\x05\x12$\n\x06tensor\x18\x02 \x01(\x0b\x32\x14.splitspec.v1.Tensor\"A\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nforward_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"\r\n\x0bInfoRequest\"\xdd\x02\n\tInfoReply\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x05 \x01(\x05\x12\x13\n\x0bmax_context\x18\x06 \x01(\x05\x12\x16\n\x0emax_tree_nodes\x18\x07 \x01(\x05\x12\x16\n\x0emax_tree_depth\x18\x08 \x01(\x05\x12\x19\n\x11max_prompt_tokens\x18\t \x01(\x05\x12\x14\n\x0cmax_sessions\x18\n \x01(\x05\x12\x1a\n\x12session_idle_ttl_s\x18\x0b \x01(\x01\x12\r\n\x05\x64type\x18\x0c \x01(\t\x12\x15\n\reos_token_ids\x18\r \x03(\x05\x12\x19\n\x11max_draft_support\x18\x0e \x01(\x05\x12\x0f\n\x07lsa_ids\x18\x0f \x03(\t\"\xa4\x01\n\x12OpenSessionRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12.\n\x08sampling\x18\x02 \x01(\x0b\x32\x1c.splitspec.v1.SamplingParams\x12+\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x19.splitspec.v1.FeatureSpec\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\"\x8d\x01\n\x10OpenSessionReply\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\x12(\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x16.splitspec.v1.Features\x12&\n\x07timings\x18\x04 \x01(\x0b\x32\x15.splitspec.v1.Timings\",\n\tDraftTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\"h\n\nDraftProbs\x12\x0c\n\x04rows\x18\x01 \x03(\x05\x12\'\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.splitspec.v1.Tensor\x12#\n\x05probs\x18\x03 \x01(\x0b\x32\x14.splitspec.v1.Tensor\"\x87\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12%\n\x04tree\x18\x03 \x01(\x0b\x32\x17.splitspec.v1.DraftTree\x12-\n\x0b\x64raft_probs\x18\x04 \x01(\x0b\x32\x18.splitspec.v1.DraftProbs\"\xcc\x01\n\x0bVerifyReply\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x02 \x03(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x03(\x05\x12\x13\n\x0b\x62onus_token\x18\x04 \x01(\x05\x12\x17\n\x0f\x62onus_recovered\x18\x05 \x01(\x08\x12(\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0b\x32\x16.splitspec.v1.Features\x12&\n\x07timings\x18\x07 \x01(\x0b\x32\x15.splitspec.v1.Timings\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\"\x13\n\x11\x43loseSessionReply*\x8a\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0e\n\nDTYPE_INT8\x10\x04\x12\x0f\n\x0b\x44TYPE_INT32\x10\x05\x12\x0f\n\x0b\x44TYPE_INT64\x10\x06*u\n\x0cQuantization\x12\x1c\n\x18QUANTIZATION_UNSPECIFIED\x10\x00\x12\x15\n\x11QUANTIZATION_NONE\x10\x01\x12\x15\n\x11QUANTIZATION_INT8\x10\x02\x12\x19\n\x15QUANTIZATION_FP8_E4M3\x10\x03*>\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x0e\n\nCODEC_NONE\x10\x01\x12\x0e\n\nCODEC_ZSTD\x10\x02\x32\xb2\x02\n\rVerifyService\x12:\n\x04Info\x12\x19.splitspec.v1.InfoRequest\x1a\x17.splitspec.v1.InfoReply\x12O\n\x0bOpenSession\x12 .splitspec.v1.OpenSessionRequest\x1a\x1e.splitspec.v1.OpenSessionReply\x12@\n\x06Verify\x12\x1b.splitspec.v1.VerifyRequest\x1a\x19.splitspec.v1.VerifyReply\x12R\n\x0c\x43loseSession\x12!.splitspec.v1.CloseSessionRequest\x1a\x1f.splitspec.v1.CloseSessionReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitspec.v1.verify_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1976
-  _globals['_DTYPE']._serialized_end=2114
-  _globals['_QUANTIZATION']._serialized_start=2116
-  _globals['_QUANTIZATION']._serialized_end=2233
-  _globals['_CODEC']._serialized_start=2235
-  _globals['_CODEC']._serialized_end=2297
+  _globals['_DTYPE']._serialized_start=2044
+  _globals['_DTYPE']._serialized_end=2182
+  _globals['_QUANTIZATION']._serialized_start=2184
+  _globals['_QUANTIZATION']._serialized_end=2301
+  _globals['_CODEC']._serialized_start=2303
+  _globals['_CODEC']._serialized_end=2365
   _globals['_TENSOR']._serialized_start=44
   _globals['_TENSOR']._serialized_end=219
   _globals['_SAMPLINGPARAMS']._serialized_start=221
   _globals['_SAMPLINGPARAMS']._serialized_end=302
   _globals['_FEATURESPEC']._serialized_start=305
-  _globals['_FEATURESPEC']._serialized_end=446
-  _globals['_FEATURES']._serialized_start=449
-  _globals['_FEATURES']._serialized_end=616
-  _globals['_LAYERTENSOR']._serialized_start=618
-  _globals['_LAYERTENSOR']._serialized_end=684
-  _globals['_TIMINGS']._serialized_start=686
-  _globals['_TIMINGS']._serialized_end=751
-  _globals['_INFOREQUEST']._serialized_start=753
-  _globals['_INFOREQUEST']._serialized_end=766
-  _globals['_INFOREPLY']._serialized_start=769
-  _globals['_INFOREPLY']._serialized_end=1101
-  _globals['_OPENSESSIONREQUEST']._serialized_start=1104
-  _globals['_OPENSESSIONREQUEST']._serialized_end=1268
-  _globals['_OPENSESSIONREPLY']._serialized_start=1271
-  _globals['_OPENSESSIONREPLY']._serialized_end=1412
-  _globals['_DRAFTTREE']._serialized_start=1414
-  _globals['_DRAFTTREE']._serialized_end=1458
-  _globals['_DRAFTPROBS']._serialized_start=1460
-  _globals['_DRAFTPROBS']._serialized_end=1564
-  _globals['_VERIFYREQUEST']._serialized_start=1567
-  _globals['_VERIFYREQUEST']._serialized_end=1702
-  _globals['_VERIFYREPLY']._serialized_start=1705
-  _globals['_VERIFYREPLY']._serialized_end=1909
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1911
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1952
-  _globals['_CLOSESESSIONREPLY']._serialized_start=1954
-  _globals['_CLOSESESSIONREPLY']._serialized_end=1973
-  _globals['_VERIFYSERVICE']._serialized_start=2300
-  _globals['_VERIFYSERVICE']._serialized_end=2606
+  _globals['_FEATURESPEC']._serialized_end=462
+  _globals['_FEATURES']._serialized_start=465
+  _globals['_FEATURES']._serialized_end=667
+  _globals['_LAYERTENSOR']._serialized_start=669
+  _globals['_LAYERTENSOR']._serialized_end=735
+  _globals['_TIMINGS']._serialized_start=737
+  _globals['_TIMINGS']._serialized_end=802
+  _globals['_INFOREQUEST']._serialized_start=804
+  _globals['_INFOREQUEST']._serialized_end=817
+  _globals['_INFOREPLY']._serialized_start=820
+  _globals['_INFOREPLY']._serialized_end=1169
+  _globals['_OPENSESSIONREQUEST']._serialized_start=1172
+  _globals['_OPENSESSIONREQUEST']._serialized_end=1336
+  _globals['_OPENSESSIONREPLY']._serialized_start=1339
+  _globals['_OPENSESSIONREPLY']._serialized_end=1480
+  _globals['_DRAFTTREE']._serialized_start=1482
+  _globals['_DRAFTTREE']._serialized_end=1526
+  _globals['_DRAFTPROBS']._serialized_start=1528
+  _globals['_DRAFTPROBS']._serialized_end=1632
+  _globals['_VERIFYREQUEST']._serialized_start=1635
+  _globals['_VERIFYREQUEST']._serialized_end=1770
+  _globals['_VERIFYREPLY']._serialized_start=1773
+  _globals['_VERIFYREPLY']._serialized_end=1977
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1979
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=2020
+  _globals['_CLOSESESSIONREPLY']._serialized_start=2022
+  _globals['_CLOSESESSIONREPLY']._serialized_end=2041
+  _globals['_VERIFYSERVICE']._serialized_start=2368
+  _globals['_VERIFYSERVICE']._serialized_end=2674
 # @@protoc_insertion_point(module_scope)

@@ -73,30 +73,34 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class FeatureSpec(_message.Message):
-    __slots__ = ("hidden_layers", "kv_layers", "quantization", "codec")
+    __slots__ = ("hidden_layers", "kv_layers", "quantization", "codec", "lsa_id")
     HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
     KV_LAYERS_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
+    LSA_ID_FIELD_NUMBER: _ClassVar[int]
     hidden_layers: _containers.RepeatedScalarFieldContainer[int]
     kv_layers: _containers.RepeatedScalarFieldContainer[int]
     quantization: Quantization
     codec: Codec
-    def __init__(self, hidden_layers: _Optional[_Iterable[int]] = ..., kv_layers: _Optional[_Iterable[int]] = ..., quantization: _Optional[_Union[Quantization, str]] = ..., codec: _Optional[_Union[Codec, str]] = ...) -> None: ...
+    lsa_id: str
+    def __init__(self, hidden_layers: _Optional[_Iterable[int]] = ..., kv_layers: _Optional[_Iterable[int]] = ..., quantization: _Optional[_Union[Quantization, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., lsa_id: _Optional[str] = ...) -> None: ...
 
 class Features(_message.Message):
-    __slots__ = ("start", "count", "hidden", "keys", "values")
+    __slots__ = ("start", "count", "hidden", "keys", "values", "lsa")
     START_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    LSA_FIELD_NUMBER: _ClassVar[int]
     start: int
     count: int
     hidden: _containers.RepeatedCompositeFieldContainer[LayerTensor]
     keys: _containers.RepeatedCompositeFieldContainer[LayerTensor]
     values: _containers.RepeatedCompositeFieldContainer[LayerTensor]
-    def __init__(self, start: _Optional[int] = ..., count: _Optional[int] = ..., hidden: _Optional[_Iterable[_Union[LayerTensor, _Mapping]]] = ..., keys: _Optional[_Iterable[_Union[LayerTensor, _Mapping]]] = ..., values: _Optional[_Iterable[_Union[LayerTensor, _Mapping]]] = ...) -> None: ...
+    lsa: Tensor
+    def __init__(self, start: _Optional[int] = ..., count: _Optional[int] = ..., hidden: _Optional[_Iterable[_Union[LayerTensor, _Mapping]]] = ..., keys: _Optional[_Iterable[_Union[LayerTensor, _Mapping]]] = ..., values: _Optional[_Iterable[_Union[LayerTensor, _Mapping]]] = ..., lsa: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class LayerTensor(_message.Message):
     __slots__ = ("layer", "tensor")
@@ -121,7 +125,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("model_id", "tokenizer_fingerprint", "vocab_size", "num_layers", "hidden_size", "max_context", "max_tree_nodes", "max_tree_depth", "max_prompt_tokens", "max_sessions", "session_idle_ttl_s", "dtype", "eos_token_ids", "max_draft_support")
+    __slots__ = ("model_id", "tokenizer_fingerprint", "vocab_size", "num_layers", "hidden_size", "max_context", "max_tree_nodes", "max_tree_depth", "max_prompt_tokens", "max_sessions", "session_idle_ttl_s", "dtype", "eos_token_ids", "max_draft_support", "lsa_ids")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +140,7 @@ class InfoReply(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_SUPPORT_FIELD_NUMBER: _ClassVar[int]
+    LSA_IDS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     tokenizer_fingerprint: str
     vocab_size: int
@@ -150,7 +155,8 @@ class InfoReply(_message.Message):
     dtype: str
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_draft_support: int
-    def __init__(self, model_id: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_tree_depth: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_sessions: _Optional[int] = ..., session_idle_ttl_s: _Optional[float] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_draft_support: _Optional[int] = ...) -> None: ...
+    lsa_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_id: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_tree_depth: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_sessions: _Optional[int] = ..., session_idle_ttl_s: _Optional[float] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_draft_support: _Optional[int] = ..., lsa_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("prompt_ids", "sampling", "features", "tokenizer_fingerprint")

@@ -1,0 +1,81 @@
+"""Runtime of the EAGLE drafter (Li et al. 2024, EAGLE §3) drafting EAGLE-2 dynamic trees (§4).
+
+Slot j of the drafter's cache holds (token j+1, target feature f_j). With the pending token at
+position t, the slots up to t-1 use the target's true features (received after verification);
+tree nodes use the drafter's own predicted features, and are dropped after the proposal.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache
+
+from splitspec.shared import kv
+from splitspec.shared.config import TreeConfig
+from splitspec.shared.drafters.eagle import EagleDrafter
+from splitspec.shared.drafters.target_parts import TargetParts
+from splitspec.shared.features import FeatureBatch, FeatureRequest
+from splitspec.shared.sampling import SamplingParams, make_generator
+from splitspec.v1 import verify_pb2 as pb
+
+from .base import DraftLimits, Drafter, Proposal
+from .dynamic_tree import build_tree, frontier_mask
+
+
+class EagleRuntime(Drafter):
+    name = "eagle2"
+
+    def __init__(self, module: EagleDrafter, parts: TargetParts, tree: TreeConfig = TreeConfig(), *,
+                 quantization: int = pb.QUANTIZATION_NONE, seed: int = 0) -> None:
+        self.module, self.parts, self.tree = module, parts, tree
+        self.feature_request = FeatureRequest(hidden_layers=(-1,), quantization=quantization)
+        self.dtype = parts.embed.weight.dtype
+        self.generator = make_generator(seed)
+        self.reset((), FeatureBatch(0, 0))
+
+    def reset(self, prompt_ids, features: FeatureBatch) -> None:
+        self.features = torch.zeros(0, self.module.config.hidden_size, dtype=self.dtype)  # [verified, E]
+        self.cache = DynamicCache()
+        if features.count:
+            self.commit((), features)
+
+    def commit(self, new_tokens, features: FeatureBatch) -> None:
+        if features.start != self.features.shape[0]:
+            raise ValueError(f"features start at {features.start}; {self.features.shape[0]} are known")
+        self.features = torch.cat([self.features, features.hidden[-1].to(self.dtype)])
+
+    def _run(self, tokens: list[int], feats: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Predicted features [n, E] for slots (tokens [n], feats [n, E]) appended to the cache."""
+        embeds = self.parts.embed(torch.tensor([tokens]))
+        return self.module(embeds, feats[None], positions, mask, self.cache)[0]
+
+    @torch.inference_mode()
+    def propose(self, context: Sequence[int], limits: DraftLimits, sampling: SamplingParams) -> Proposal:
+        pending = len(context) - 1
+        if self.features.shape[0] != pending:
+            raise RuntimeError(f"{self.features.shape[0]} features known but the pending token is at {pending}")
+        cached = kv.cache_length(self.cache)
+        slots_new = list(range(cached, pending))  # slot j: (token j+1, f_j)
+        positions = torch.tensor([slots_new])
+        mask = torch.where(torch.arange(pending)[None, :] <= positions[0, :, None], 0.0, torch.finfo(self.dtype).min)
+        predicted = self._run([context[j + 1] for j in slots_new], self.features[cached:pending], positions,
+                              mask.to(self.dtype)[None, None])
+        root_feature = predicted[-1]  # f^_t, the pending token's predicted feature
+        node_feature: dict[int, torch.Tensor] = {}
+        slots: dict[int, int] = {}
+
+        def expand(frontier: list[int], pool) -> torch.Tensor:
+            frontier_mask_ = frontier_mask(frontier, pool, slots, pending, kv.cache_length(self.cache), self.dtype)
+            feats = torch.stack([node_feature[pool[n].parent] if pool[n].parent >= 0 else root_feature
+                                 for n in frontier])
+            node_positions = torch.tensor([[pending - 1 + pool[n].depth for n in frontier]])
+            out = self._run([pool[n].token for n in frontier], feats, node_positions, frontier_mask_)
+            for n, f in zip(frontier, out):
+                node_feature[n] = f
+            return self.parts.lm_head(out).float()
+
+        root_logits = self.parts.lm_head(root_feature).float()
+        proposal = build_tree(root_logits, expand, self.tree, limits, sampling, self.generator)
+        kv.truncate(self.cache, pending)
+        return proposal

@@ -1,0 +1,1 @@
+"""Drafter architectures (trainable modules) shared by the client, the server (LSA) and training."""

@@ -1,0 +1,95 @@
+"""Drafter checkpoints: safetensors holding only the trainable weights, plus a JSON config that
+names the drafter kind, its sizes and the target it was trained against (the target's embedding,
+LM head, norm and TLI layers are loaded from the target itself, never stored here).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .eagle import EagleConfig, EagleDrafter
+from .moa import MoAConfig, MoADrafter
+
+WEIGHTS = "model.safetensors"
+CONFIG = "drafter.json"
+KINDS = {"moa": (MoAConfig, MoADrafter), "eagle2": (EagleConfig, EagleDrafter)}
+
+
+class CheckpointMismatch(ValueError):
+    """The checkpoint was trained for another target (different tokenizer, layers or width)."""
+
+
+@dataclass(frozen=True)
+class TargetIdentity:
+    model_id: str
+    tokenizer_fingerprint: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, model, tokenizer, model_id: str) -> "TargetIdentity":
+        from splitspec.shared.models import tokenizer_fingerprint
+
+        return cls(model_id, tokenizer_fingerprint(tokenizer), model.config.num_hidden_layers,
+                   model.config.hidden_size, model.get_output_embeddings().weight.shape[0])
+
+    def check(self, other: "TargetIdentity") -> None:
+        """Raise CheckpointMismatch unless `other` (the target in use) matches in everything but its id."""
+        for field in ("tokenizer_fingerprint", "num_layers", "hidden_size", "vocab_size"):
+            if getattr(self, field) != getattr(other, field):
+                raise CheckpointMismatch(f"drafter trained for {self.model_id} ({field}={getattr(self, field)}) "
+                                         f"but the target {other.model_id} has {field}={getattr(other, field)}")
+
+
+def save_checkpoint(out: Path, kind: str, drafter: torch.nn.Module, target: TargetIdentity, info: dict,
+                    dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write weights (cast to `dtype`) and config atomically into `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to(dtype).contiguous() for k, v in drafter.state_dict().items()
+               if not k.endswith("inv_freq")}
+    save_file(tensors, str(out / (WEIGHTS + ".tmp")), metadata={"kind": kind})
+    (out / (WEIGHTS + ".tmp")).replace(out / WEIGHTS)
+    config = {"kind": kind, "config": drafter.config.to_dict(), "target": target.__dict__, "training": info}
+    (out / (CONFIG + ".tmp")).write_text(json.dumps(config, indent=2))
+    (out / (CONFIG + ".tmp")).replace(out / CONFIG)
+
+
+def checkpoint_id(path: str | Path) -> str:
+    """A content id for a checkpoint: its kind and a hash of its weights file."""
+    path = Path(path)
+    meta = json.loads((path / CONFIG).read_text())
+    digest = hashlib.sha256((path / WEIGHTS).read_bytes()).hexdigest()[:16]
+    return f"{meta['kind']}-{digest}"
+
+
+def load_checkpoint(path: str | Path, target: TargetIdentity | None = None, dtype: torch.dtype = torch.float32):
+    """Build the drafter module from a checkpoint directory.
+
+    Returns:
+        (kind, drafter module in eval mode, the checkpoint's config dict)
+    Raises:
+        FileNotFoundError: no checkpoint there. CheckpointMismatch: trained for another target.
+        ValueError: unknown kind or weights that do not fit the config.
+    """
+    path = Path(path)
+    if not (path / CONFIG).exists():
+        raise FileNotFoundError(f"no drafter checkpoint in {path} ({CONFIG} missing)")
+    meta = json.loads((path / CONFIG).read_text())
+    if meta.get("kind") not in KINDS:
+        raise ValueError(f"unknown drafter kind {meta.get('kind')!r} in {path}")
+    if target is not None:
+        TargetIdentity(**meta["target"]).check(target)
+    config_cls, module_cls = KINDS[meta["kind"]]
+    module = module_cls(config_cls(**meta["config"]))
+    state = load_file(str(path / WEIGHTS))
+    missing, unexpected = module.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+    missing = [k for k in missing if not k.endswith("inv_freq")]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not fit {meta['kind']}: missing {missing}, unexpected {unexpected}")
+    return meta["kind"], module.to(dtype).eval().requires_grad_(False), meta

@@ -1,0 +1,201 @@
+"""The Mixture-of-Attentions drafter (seed 001: Zimmer, Gritta et al. 2024, §3).
+
+Trainable parts (this module):
+- LSA, Layer Self-Attention (§3.1.1): for each committed token, the target's per-layer key/value
+  vectors form a sequence over the *layer* axis, [L, W] with W = 2 * Hkv * D (per kv head, key and
+  value joined). One decoder block attends bidirectionally across layers (rotary positions = layer
+  index), the outputs are averaged over layers and projected to the drafter width E: one memory
+  vector per committed token. LSA can run on the client or on the server.
+- SA (§3.1.2): a causal self-attention decoder block over the target's (frozen) embeddings of the
+  tokens (context + drafts), rotary at absolute positions.
+- CA (§3.1.2): cross-attention, queries from SA, keys/values from the LSA memory of positions the
+  target has verified, so one pass predicts several future tokens without new target input
+  ("T-step bounded"). Memory keys get rotary at their token position.
+The output `o` [.., E] predicts the target's activation at layer L - TLI (§3.2): for TLI = 0 the
+final hidden state after the target's norm, fed to the LM head directly; for TLI = N the input of
+decoder layer L - N, which the target's own last N layers (frozen, with their KV cache), final
+norm and LM head turn into logits (see shared/drafters/target_parts.py).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaDecoderLayer,
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    repeat_kv,
+)
+
+
+@dataclass(frozen=True)
+class MoAConfig:
+    """Sizes of the drafter; `from_target` derives them from the target's config."""
+
+    vocab_size: int
+    hidden_size: int  # E, the target's width
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    target_layers: int  # L
+    target_kv_heads: int
+    target_head_dim: int
+    lsa_heads: int
+    lsa_kv_heads: int
+    lsa_intermediate_size: int
+    tli: int = 0
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+
+    @property
+    def kv_width(self) -> int:
+        """W: one layer's key + value width per token."""
+        return 2 * self.target_kv_heads * self.target_head_dim
+
+    @classmethod
+    def from_target(cls, config, tli: int = 0, intermediate_ratio: float = 2.0) -> "MoAConfig":
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = config.num_key_value_heads
+        width = 2 * kv_heads * head_dim
+        lsa_heads = max(1, width // 64)
+        if not 0 <= tli < config.num_hidden_layers:
+            raise ValueError(f"tli must lie in [0, {config.num_hidden_layers})")
+        rope = getattr(config, "rope_parameters", None) or {}
+        return cls(vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_heads=heads,
+                   num_kv_heads=kv_heads, head_dim=head_dim,
+                   intermediate_size=int(config.hidden_size * intermediate_ratio),
+                   target_layers=config.num_hidden_layers, target_kv_heads=kv_heads, target_head_dim=head_dim,
+                   lsa_heads=lsa_heads, lsa_kv_heads=max(1, lsa_heads // 3) if lsa_heads % 3 == 0 else lsa_heads,
+                   lsa_intermediate_size=2 * width, tli=tli, rms_norm_eps=config.rms_norm_eps,
+                   rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
+                   max_position_embeddings=config.max_position_embeddings)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def block_config(self, width: int, heads: int, kv_heads: int, intermediate: int, positions: int) -> LlamaConfig:
+        return LlamaConfig(hidden_size=width, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                           head_dim=width // heads, intermediate_size=intermediate, rms_norm_eps=self.rms_norm_eps,
+                           max_position_embeddings=positions, num_hidden_layers=1, vocab_size=self.vocab_size,
+                           rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta})
+
+
+def stack_layer_kv(keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """Per-token LSA input from per-layer caches.
+
+    Args:
+        keys, values: L tensors [Hkv, T, D] (layer order).
+    Returns:
+        [T, L, W] with W = 2 * Hkv * D: for each kv head, key then value.
+    """
+    per_layer = [torch.cat([k, v], dim=-1).permute(1, 0, 2).flatten(1) for k, v in zip(keys, values)]  # [T, W]
+    return torch.stack(per_layer, dim=1)
+
+
+class CrossAttentionBlock(nn.Module):
+    """Pre-norm cross-attention + SwiGLU MLP with residuals; one norm serves queries and memory."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        width = config.hidden_size
+        self.input_layernorm = LlamaRMSNorm(width, eps=config.rms_norm_eps)
+        self.q_proj = nn.Linear(width, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, width, bias=False)
+        self.post_attention_layernorm = LlamaRMSNorm(width, eps=config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def memory_kv(self, memory: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Project memory [B, M, E] to keys/values [B, Hkv, M, Dh], rotary applied at its positions."""
+        mem = self.input_layernorm(memory)
+        shape = (*memory.shape[:2], self.kv_heads, self.head_dim)
+        keys = self.k_proj(mem).view(shape).transpose(1, 2)
+        values = self.v_proj(mem).view(shape).transpose(1, 2)
+        cos, sin = rope
+        keys = keys * cos.unsqueeze(1) + _rotate_half(keys) * sin.unsqueeze(1)
+        return keys, values
+
+    def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
+                values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """hidden [B, T, E]; keys/values [B, Hkv, M, Dh]; mask [B or 1, 1, T, M] additive."""
+        residual = hidden
+        x = self.input_layernorm(hidden)
+        q = self.q_proj(x).view(*x.shape[:2], self.heads, self.head_dim).transpose(1, 2)
+        cos, sin = rope
+        q = q * cos.unsqueeze(1) + _rotate_half(q) * sin.unsqueeze(1)
+        groups = self.heads // self.kv_heads
+        # every query sees at least memory position 0 (the first prompt token), so no row is empty
+        attn = torch.nn.functional.scaled_dot_product_attention(
+            q, repeat_kv(keys, groups), repeat_kv(values, groups), attn_mask=mask.to(q.dtype))
+        hidden = residual + self.o_proj(attn.transpose(1, 2).reshape(*x.shape[:2], -1))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class MoADrafter(nn.Module):
+    """The trainable MoA modules. Frozen target parts live in `TargetParts`."""
+
+    def __init__(self, config: MoAConfig) -> None:
+        super().__init__()
+        self.config = config
+        width = config.kv_width
+        lsa_cfg = config.block_config(width, config.lsa_heads, config.lsa_kv_heads, config.lsa_intermediate_size,
+                                      config.target_layers)
+        main_cfg = config.block_config(config.hidden_size, config.num_heads, config.num_kv_heads,
+                                       config.intermediate_size, config.max_position_embeddings)
+        self.lsa = LlamaDecoderLayer(lsa_cfg, layer_idx=0)
+        self.lsa_rotary = LlamaRotaryEmbedding(lsa_cfg)
+        self.lsa_out = nn.Linear(width, config.hidden_size, bias=True)
+        self.sa = LlamaDecoderLayer(main_cfg, layer_idx=0)
+        self.rotary = LlamaRotaryEmbedding(main_cfg)
+        self.ca = CrossAttentionBlock(main_cfg)
+
+    def memory(self, layer_kv: torch.Tensor) -> torch.Tensor:
+        """LSA over layers, mean, projection. layer_kv [N, L, W] -> memory [N, E]."""
+        n, layers, _ = layer_kv.shape
+        if n == 0:
+            return layer_kv.new_zeros(0, self.config.hidden_size)
+        positions = torch.arange(layers, device=layer_kv.device).expand(n, layers)
+        rope = self.lsa_rotary(layer_kv, positions)
+        full = layer_kv.new_zeros(1, 1, layers, layers)  # bidirectional across layers
+        out = self.lsa(layer_kv, attention_mask=full, position_ids=positions, position_embeddings=rope)
+        return self.lsa_out(out.mean(dim=1))
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary(x, positions)
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, sa_mask: torch.Tensor,
+                mem_keys: torch.Tensor, mem_values: torch.Tensor, ca_mask: torch.Tensor,
+                sa_cache=None) -> torch.Tensor:
+        """Predict the activation at layer L - TLI for each input position.
+
+        Args:
+            embeds: [B, T, E] target embeddings of the input tokens.
+            positions: [B, T] absolute positions.
+            sa_mask: [B or 1, 1, T, S] additive mask over SA keys (cache + inputs).
+            mem_keys, mem_values: [B, Hkv, M, Dh] from `ca.memory_kv`.
+            ca_mask: [B or 1, 1, T, M] additive mask over memory positions.
+            sa_cache: optional DynamicCache for SA (inference).
+        Returns:
+            o: [B, T, E]
+        """
+        rope = self.rotary(embeds, positions)
+        x = self.sa(embeds, attention_mask=sa_mask, position_ids=positions, past_key_values=sa_cache,
+                    use_cache=sa_cache is not None, position_embeddings=rope)
+        return self.ca(x, rope, mem_keys, mem_values, ca_mask)

@@ -1,0 +1,206 @@
+"""The MoA and EAGLE drafters: shapes, T-step boundedness, LSA placement, training, checkpoints,
+quantized features, and lossless greedy decoding with them in split mode."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from splitspec.client.drafters.eagle import EagleRuntime
+from splitspec.client.drafters.moa import MoARuntime
+from splitspec.client.loop import SpeculativeDecoder
+from splitspec.client.transport import RemoteVerifier
+from splitspec.client.verifier import LocalVerifier
+from splitspec.server.runner import TargetRunner
+from splitspec.shared.config import TreeConfig
+from splitspec.shared.drafters.checkpoint import (CheckpointMismatch, TargetIdentity, checkpoint_id,
+                                                  load_checkpoint, save_checkpoint)
+from splitspec.shared.drafters.eagle import EagleConfig, EagleDrafter
+from splitspec.shared.drafters.moa import MoAConfig, MoADrafter
+from splitspec.shared.drafters.target_parts import TargetParts
+from splitspec.train.objectives import chunk_starts, moa_forward, run_target
+from splitspec.train.trainer import TrainConfig, build_drafter, evaluate, load_examples, train
+from splitspec.v1 import verify_pb2 as pb
+
+from .conftest import reference_greedy
+
+
+def _prompt(tokenizer, text="Once upon a time, a little girl named Lily"):
+    return tokenizer(text)["input_ids"]
+
+
+@pytest.mark.parametrize("tli", [0, 1, 3])
+def test_moa_forward_shapes(stories, tli):
+    model, tokenizer, _ = stories
+    cfg = MoAConfig.from_target(model.config, tli=tli)
+    drafter, parts = MoADrafter(cfg), TargetParts(model, tli)
+    ids = torch.tensor(_prompt(tokenizer))
+    target = run_target(model, ids)
+    starts = chunk_starts([0] * 3 + [1] * (len(ids) - 3), 4, random.Random(0))
+    o, logits, final = moa_forward(drafter, parts, target, starts)
+    T, E = len(ids), model.config.hidden_size
+    assert o.shape == (T, E) and final.shape == (T, E) and logits.shape == (T, model.config.vocab_size)
+    assert len(parts.layers) == tli and parts.first_tli_layer == model.config.num_hidden_layers - tli
+    assert drafter.memory(torch.randn(7, cfg.target_layers, cfg.kv_width)).shape == (7, E)
+
+
+@pytest.mark.parametrize("tli", [0, 2])
+def test_t_step_bounded(stories, tli):
+    """Outputs for a chunk do not change when the target's activations from its start on change;
+    outputs after the chunk do (the test can tell)."""
+    model, tokenizer, _ = stories
+    torch.manual_seed(0)
+    drafter, parts = MoADrafter(MoAConfig.from_target(model.config, tli=tli)), TargetParts(model, tli)
+    ids = torch.tensor(_prompt(tokenizer))
+    target = run_target(model, ids)
+    T = len(ids)
+    s, e = 6, 10
+    starts = torch.tensor([min(i, 1) if i < s else (s if i < e else e) for i in range(T)]).clamp_min(1)
+    before, logits_before, _ = moa_forward(drafter, parts, target, starts)
+    for layer in range(len(target.keys)):
+        target.keys[layer][:, s:] += torch.randn_like(target.keys[layer][:, s:])
+        target.values[layer][:, s:] += torch.randn_like(target.values[layer][:, s:])
+    after, logits_after, _ = moa_forward(drafter, parts, target, starts)
+    torch.testing.assert_close(before[s:e], after[s:e], atol=1e-6, rtol=0)
+    torch.testing.assert_close(logits_before[s:e], logits_after[s:e], atol=1e-5, rtol=0)
+    assert not torch.allclose(before[e:], after[e:], atol=1e-4)
+
+
+class Recorder:
+    """Wraps a drafter and records its proposals."""
+
+    def __init__(self, inner):
+        self.inner, self.trees = inner, []
+        self.feature_request, self.name = inner.feature_request, inner.name
+
+    def reset(self, prompt_ids, features):
+        self.inner.reset(prompt_ids, features)
+
+    def propose(self, context, limits, sampling):
+        proposal = self.inner.propose(context, limits, sampling)
+        self.trees.append(proposal.tree)
+        return proposal
+
+    def commit(self, new_tokens, features):
+        self.inner.commit(new_tokens, features)
+
+
+def test_lsa_placement_gives_same_drafts(stories, tmp_path):
+    model, tokenizer, model_id = stories
+    torch.manual_seed(1)
+    drafter = MoADrafter(MoAConfig.from_target(model.config, tli=1)).eval()
+    save_checkpoint(tmp_path, "moa", drafter, TargetIdentity.of(model, tokenizer, model_id), {}, dtype=torch.float32)
+    lsa_id = checkpoint_id(tmp_path)
+    verifier = LocalVerifier(TargetRunner(model, tokenizer, model_id, lsa_modules={lsa_id: drafter}))
+    runs = {}
+    for placement in ("client", "server"):
+        rec = Recorder(MoARuntime(drafter, TargetParts(model, 1), TreeConfig(depth=3, top_b=2, max_nodes=6),
+                                  lsa_placement=placement, lsa_id=lsa_id))
+        gen = SpeculativeDecoder(verifier, rec).generate(_prompt(tokenizer), 30, stop_on_eos=False)
+        runs[placement] = (gen.tokens, rec.trees)
+    assert runs["client"][0] == runs["server"][0]
+    assert runs["client"][1] == runs["server"][1] and len(runs["client"][1]) > 3
+
+
+def _story_conversations(model, tokenizer, n: int, seed: int):
+    rng = random.Random(seed)
+    starts = ["Once upon a time", "Tom was", "The sun", "Lily and Ben", "One day", "A little bird", "The cat"]
+    convs = []
+    for _ in range(n):
+        start = rng.choice(starts)
+        ids = tokenizer(start)["input_ids"]
+        out = model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=True, top_k=20,
+                             pad_token_id=0)[0].tolist()
+        convs.append([{"role": "user", "content": f"Tell a story that starts with: {start}"},
+                      {"role": "assistant", "content": tokenizer.decode(out, skip_special_tokens=True)}])
+    return convs
+
+
+@pytest.fixture(scope="module")
+def chat_stories(stories):
+    """stories260K (fallback chat template) and synthetic conversations it wrote itself."""
+    model, tokenizer, model_id = stories
+    torch.manual_seed(0)
+    return model, tokenizer, model_id, _story_conversations(model, tokenizer, 60, 0)
+
+
+@pytest.fixture(scope="module")
+def trained(chat_stories, stories_path, tmp_path_factory):
+    """Short training runs of moa (tli 0, 1) and eagle2 on stories260K; {name: (dir, first, last)}."""
+    model, tokenizer, _, convs = chat_stories
+    out = {}
+    for kind, tli in (("moa", 0), ("moa", 1), ("eagle2", 0)):
+        cfg = TrainConfig(drafter=kind, target=str(stories_path), out=tmp_path_factory.mktemp(f"{kind}{tli}"), tli=tli,
+                          max_tokens=10_000, epochs=6, batch=4, lr=3e-3, heldout=6, eval_every=1000, eval_prompts=2,
+                          eval_new_tokens=20, conversations=convs, seed=0)
+        torch.manual_seed(cfg.seed)
+        fresh = build_drafter(cfg, model.config)
+        parts = TargetParts(model, tli)
+        examples, held = load_examples(cfg, tokenizer)
+        from splitspec.train.data import tokenize_conversation
+
+        held_ex = [e for e in (tokenize_conversation(tokenizer, c, cfg.max_len) for c in held) if e]
+        first = evaluate(cfg, fresh, parts, model, tokenizer, held, held_ex)
+        last = train(cfg, progress=False)
+        out[f"{kind}{tli}"] = (cfg.out, first, last)
+    return out
+
+
+def test_training_lowers_heldout_loss(trained):
+    for name, (_, first, last) in trained.items():
+        assert last["heldout_loss"] < 0.9 * first["heldout_loss"], (name, first, last)
+        assert last["heldout_top1"] > first["heldout_top1"], (name, first, last)
+
+
+def test_resume_continues(chat_stories, stories_path, tmp_path):
+    model, tokenizer, _, convs = chat_stories
+    common = dict(drafter="eagle2", target=str(stories_path), out=tmp_path, max_tokens=3000, batch=4, lr=1e-3,
+                  heldout=4, eval_every=2, eval_prompts=1, eval_new_tokens=8, conversations=convs, seed=3)
+    straight = train(TrainConfig(**{**common, "out": tmp_path / "a"}, epochs=2), progress=False)
+    train(TrainConfig(**{**common, "out": tmp_path / "b"}, epochs=1), progress=False)
+    resumed = train(TrainConfig(**{**common, "out": tmp_path / "b"}, epochs=2, resume=True), progress=False)
+    assert resumed["step"] == straight["step"]
+    assert resumed["heldout_loss"] == pytest.approx(straight["heldout_loss"], rel=1e-4)
+
+
+def test_checkpoint_round_trip(trained, stories, tiny_random):
+    model, tokenizer, model_id = stories
+    path = trained["moa1"][0]
+    kind, module, meta = load_checkpoint(path, TargetIdentity.of(model, tokenizer, model_id))
+    assert kind == "moa" and module.config.tli == 1 and meta["target"]["num_layers"] == 5
+    assert all("embed" not in k and "lm_head" not in k for k in module.state_dict())  # no target weights stored
+    other = TargetIdentity.of(tiny_random[0], tiny_random[1], "tiny")
+    with pytest.raises(CheckpointMismatch):
+        load_checkpoint(path, other)
+
+
+@pytest.mark.parametrize("quant", [pb.QUANTIZATION_INT8, pb.QUANTIZATION_FP8_E4M3])
+def test_quantized_features_keep_accept_length(trained, chat_stories, serve, quant):
+    """tau with int8 / fp8 features stays within 10% of fp16 (stories260K, split mode, greedy)."""
+    model, tokenizer, model_id, convs = chat_stories
+    verifier = RemoteVerifier(serve(TargetRunner(model, tokenizer, model_id)).address)
+    _, module, _ = load_checkpoint(trained["moa1"][0])
+    prompts = [tokenizer.apply_chat_template([c[0]], add_generation_prompt=True, tokenize=False) for c in convs[:6]]
+    taus = {}
+    for q in (pb.QUANTIZATION_NONE, quant):
+        runtime = MoARuntime(module, TargetParts(model, 1), TreeConfig(depth=4, top_b=2, max_nodes=8), quantization=q)
+        decoder = SpeculativeDecoder(verifier, runtime)
+        gens = [decoder.generate(tokenizer(p)["input_ids"], 40, stop_on_eos=False) for p in prompts]
+        taus[q] = sum(g.stats.new_tokens - 1 for g in gens) / sum(g.stats.target_calls - 1 for g in gens)
+    assert taus[pb.QUANTIZATION_NONE] > 1.3, taus  # the drafter learned something
+    assert abs(taus[quant] - taus[pb.QUANTIZATION_NONE]) <= 0.10 * taus[pb.QUANTIZATION_NONE], taus
+
+
+@pytest.mark.parametrize("name", ["moa0", "moa1", "eagle20"])
+def test_greedy_equality_split(trained, chat_stories, serve, name):
+    model, tokenizer, model_id, _ = chat_stories
+    verifier = RemoteVerifier(serve(TargetRunner(model, tokenizer, model_id)).address)
+    kind, module, _ = load_checkpoint(trained[name][0])
+    tree = TreeConfig(depth=4, top_b=3, max_nodes=10)
+    runtime = (MoARuntime(module, TargetParts(model, module.config.tli), tree, quantization=pb.QUANTIZATION_INT8)
+               if kind == "moa" else EagleRuntime(module, TargetParts(model, 0), tree))
+    prompt = _prompt(tokenizer, "Tom had a big red ball. He")
+    ref = reference_greedy(model, prompt, 50)
+    gen = SpeculativeDecoder(verifier, runtime).generate(prompt, 50, stop_on_eos=False)
+    assert gen.tokens == ref

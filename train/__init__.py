@@ -1,0 +1,1 @@
+"""splitspec.train: drafter training (MoA, EAGLE-2) by distillation from the target."""
