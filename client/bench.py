@@ -28,7 +28,9 @@ DEFAULT_METHODS = "none,ngram,draft-model:smollm2-135m@layers=8"
 def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="measure methods side by side against plain generate()")
     p.add_argument("--target", default=DEFAULT_TARGET)
-    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated drafter names")
+    p.add_argument("--methods", default=DEFAULT_METHODS,
+                   help="comma-separated drafter names, each optionally with ;lsa=client|server and "
+                        ";quant=fp16|int8|fp8 (MoA feature options), e.g. 'moa;lsa=server;quant=int8'")
     p.add_argument("--modes", default="local,split", help="local (single-device) and/or split")
     p.add_argument("--datasets", default="spec_bench,humaneval")
     p.add_argument("--limit", type=int, default=1, help="prompts per Spec-Bench category / HumanEval")
@@ -131,16 +133,22 @@ def cmd_bench(args) -> None:
     server = None
     if "split" in modes:
         port = free_port()
-        hosted = [f"--lsa={m}" for m in methods if m.startswith("moa")] if args.lsa_placement == "server" else []
+        hosted = sorted({f"--lsa={_method_options(m, args)[0]}" for m in methods
+                         if _method_options(m, args)[1] == "server"})
         server = start_server(args.target, port, extra=hosted)
         verifiers["split"] = RemoteVerifier(f"127.0.0.1:{port}")
     try:
         from .cli import FEATURE_QUANT
 
-        decoders = {(mode, m): SpeculativeDecoder(verifiers[mode], make_drafter(
-            m, target_fingerprint=local.info.tokenizer_fingerprint, target=args.target, target_model=model,
-            lsa_placement=args.lsa_placement, quantization=FEATURE_QUANT[args.feature_quant]))
-            for mode in modes for m in methods}
+        decoders = {}
+        for mode in modes:
+            for m in methods:
+                name, placement, quant = _method_options(m, args)
+                if mode == "local" and placement == "server":
+                    continue  # LSA placement only exists with a server
+                decoders[(mode, m)] = SpeculativeDecoder(verifiers[mode], make_drafter(
+                    name, target_fingerprint=local.info.tokenizer_fingerprint, target=args.target, target_model=model,
+                    lsa_placement=placement, quantization=FEATURE_QUANT[quant]))
         rows = []
         eos = list(local.info.eos_token_ids)
         for prompt in tqdm(prompts, desc="bench", unit="prompt"):
@@ -167,6 +175,16 @@ def cmd_bench(args) -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         (out / "table.md").write_text(table + "\n")
+
+
+def _method_options(method: str, args) -> tuple[str, str, str]:
+    """'name;lsa=server;quant=int8' -> (name, lsa placement, feature quantization)."""
+    name, *options = method.split(";")
+    opts = dict(o.split("=", 1) for o in options)
+    unknown = set(opts) - {"lsa", "quant"}
+    if unknown:
+        raise ValueError(f"unknown method options {sorted(unknown)} in {method!r}; expected lsa= and quant=")
+    return name, opts.get("lsa", args.lsa_placement), opts.get("quant", args.feature_quant)
 
 
 def _meta(prompt: dict) -> dict:

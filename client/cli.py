@@ -120,8 +120,9 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
     where.add_argument("--server", default="127.0.0.1:50051", help="verify service HOST:PORT (split mode)")
     where.add_argument("--local", action="store_true", help="single-device mode: target in this process")
     p.add_argument("--target", default=DEFAULT_TARGET, help="target model for --local, and the tokenizer")
-    p.add_argument("--drafter", default="ngram",
-                   help="none | ngram | draft-model:MODEL[@layers=N] | moa[:tli=N|:PATH] | eagle2[:PATH]")
+    p.add_argument("--drafter", default="auto",
+                   help="auto | none | ngram | draft-model:MODEL[@layers=N] | moa[:tli=N|:PATH] | eagle2[:PATH]; "
+                        "auto = the MoA checkpoint shipped for the target, else ngram")
     p.add_argument("--lsa-placement", default="client", choices=["client", "server"],
                    help="MoA: run Layer Self-Attention here (server sends all layers' K/V) or on the server")
     p.add_argument("--feature-quant", default="fp16", choices=sorted(FEATURE_QUANT),

@@ -98,6 +98,9 @@ class LocalVerifier(Verifier):
             lsa_ids=tuple(runner.lsa_modules))
 
     def open(self, prompt_ids, sampling, features):
+        if features.lsa_id and features.lsa_id not in self.runner.lsa_modules:
+            raise ValueError("LSA placement 'server' needs a target runner hosting that drafter's LSA; "
+                             "in single-device mode use --lsa-placement client")
         start = time.perf_counter()
         session, batch, forward_ms = self.runner.open(list(prompt_ids), sampling, features)
         elapsed = (time.perf_counter() - start) * 1e3

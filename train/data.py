@@ -16,7 +16,7 @@ from typing import Iterator
 from splitspec.shared.models import encode_rendered
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant",
-         "system": "system"}
+         "bing": "assistant", "bard": "assistant", "system": "system"}
 
 
 def iter_sharegpt(text: str | None = None) -> Iterator[list[dict[str, str]]]:
@@ -71,7 +71,9 @@ def _messages(record) -> list[dict[str, str]] | None:
         if role is None or not isinstance(value, str) or not value.strip():
             return None
         out.append({"role": role, "content": value})
-    if not any(m["role"] == "assistant" for m in out) or out[0]["role"] == "assistant":
+    while out and out[0]["role"] == "assistant":  # split conversations may open mid-dialogue
+        out.pop(0)
+    if not any(m["role"] == "assistant" for m in out):
         return None
     return out
 

@@ -1,8 +1,9 @@
 """Drafters and the factory that builds one from its command-line name.
 
-Names: `none` (no drafting: one target call per token, the autoregressive baseline), `ngram`
-(prompt lookup), `draft-model:MODEL[@layers=N]` (an independent or early-exit causal LM),
-`moa[:tli=N | :PATH]` (Mixture of Attentions, seed 001) and `eagle2[:PATH]` (EAGLE-2 baseline);
+Names: `auto` (the MoA checkpoint shipped for the target, else `ngram`), `none` (no drafting:
+one target call per token, the autoregressive baseline), `ngram` (prompt lookup),
+`draft-model:MODEL[@layers=N]` (an independent or early-exit causal LM), `moa[:tli=N | :PATH]`
+(Mixture of Attentions, seed 001) and `eagle2[:PATH]` (EAGLE-2 baseline);
 without a PATH the checkpoint shipped for the target is used (client/checkpoints/<target>/).
 """
 from __future__ import annotations
@@ -72,6 +73,9 @@ def make_drafter(name: str, *, target_fingerprint: str, tree: TreeConfig = TreeC
         TokenizerMismatch: a drafter whose tokenizer fingerprint differs from the target's.
         CheckpointMismatch: a checkpoint trained for another target.
     """
+    if name == "auto":  # the shipped MoA drafter for this target if there is one, else prompt lookup
+        has_moa = target is not None and (default_checkpoint(target, "moa") / "drafter.json").exists()
+        name = "moa" if has_moa else "ngram"
     kind, _, arg = name.partition(":")
     if kind in ("moa", "eagle2"):
         return _self_drafter(kind, arg, target_fingerprint=target_fingerprint, tree=tree, seed=seed, target=target,

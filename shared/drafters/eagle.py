@@ -53,6 +53,7 @@ class EagleDrafter(nn.Module):
                             max_position_embeddings=config.max_position_embeddings, num_hidden_layers=1,
                             vocab_size=config.vocab_size,
                             rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta})
+        block._attn_implementation = "sdpa"
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=True)
         self.layer = LlamaDecoderLayer(block, layer_idx=0)
         self.layer.input_layernorm = nn.Identity()  # the fused input is not normalised (EAGLE §3)

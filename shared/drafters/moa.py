@@ -81,10 +81,12 @@ class MoAConfig:
         return asdict(self)
 
     def block_config(self, width: int, heads: int, kv_heads: int, intermediate: int, positions: int) -> LlamaConfig:
-        return LlamaConfig(hidden_size=width, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                           head_dim=width // heads, intermediate_size=intermediate, rms_norm_eps=self.rms_norm_eps,
-                           max_position_embeddings=positions, num_hidden_layers=1, vocab_size=self.vocab_size,
-                           rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta})
+        config = LlamaConfig(hidden_size=width, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                             head_dim=width // heads, intermediate_size=intermediate, rms_norm_eps=self.rms_norm_eps,
+                             max_position_embeddings=positions, num_hidden_layers=1, vocab_size=self.vocab_size,
+                             rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta})
+        config._attn_implementation = "sdpa"
+        return config
 
 
 def stack_layer_kv(keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
