@@ -144,8 +144,8 @@ def cmd_bench(args) -> None:
         for mode in modes:
             for m in methods:
                 name, placement, quant = _method_options(m, args)
-                if mode == "local" and placement == "server":
-                    continue  # LSA placement only exists with a server
+                if mode == "local" and ";" in m:
+                    continue  # LSA placement and wire quantization only exist with a server
                 decoders[(mode, m)] = SpeculativeDecoder(verifiers[mode], make_drafter(
                     name, target_fingerprint=local.info.tokenizer_fingerprint, target=args.target, target_model=model,
                     lsa_placement=placement, quantization=FEATURE_QUANT[quant]))

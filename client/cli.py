@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tree-nodes", type=int, default=ServerLimits.max_tree_nodes)
     p.add_argument("--max-context", type=int, default=None)
     p.add_argument("--session-ttl", type=float, default=ServerLimits.session_idle_ttl_s, help="idle seconds")
+    p.add_argument("--link", default=None, metavar="PROFILE",
+                   help="serve behind an emulated link (relay backend): lan, wifi, 5g, 4g, offline or a .toml file")
     p.add_argument("--lsa", action="append", default=[], metavar="DRAFTER",
                    help="host this MoA drafter's LSA for clients with --lsa-placement server: moa[:tli=N|:PATH]")
     p.set_defaults(func=cmd_serve)
@@ -168,7 +170,28 @@ def cmd_serve(args) -> None:
         lsa_modules[checkpoint_id(path)] = module.to(args.device)
     limits = ServerLimits(max_sessions=args.max_sessions, max_tree_nodes=args.max_tree_nodes,
                           max_context=args.max_context, session_idle_ttl_s=args.session_ttl)
-    asyncio.run(serve(TargetRunner(model, tokenizer, model_id, lsa_modules), args.host, args.port, limits))
+    runner = TargetRunner(model, tokenizer, model_id, lsa_modules)
+    if args.link is None:
+        asyncio.run(serve(runner, args.host, args.port, limits))
+        return
+    from splitspec.netsim import RelayLink, load_profile
+
+    profile = load_profile(args.link)
+
+    async def behind_link():
+        # the service listens on a private loopback port; clients reach it only through the link
+        bound = asyncio.get_running_loop().create_future()
+        service = asyncio.create_task(serve(runner, "127.0.0.1", 0, limits, on_bound=bound.set_result))
+        link = RelayLink(profile, ("127.0.0.1", await bound), (args.host, args.port))
+        await link.start()
+        print(f"emulated link {profile.name} (relay backend, seed {profile.seed}): clients connect to "
+              f"{args.host}:{link.port}", flush=True)
+        try:
+            await service
+        finally:
+            await link.stop()
+
+    asyncio.run(behind_link())
 
 
 @dataclass

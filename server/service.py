@@ -220,10 +220,14 @@ async def create_server(runner: TargetRunner, address: str = "127.0.0.1:0",
     return server, port, servicer, health
 
 
-async def serve(runner: TargetRunner, host: str, port: int, limits: ServerLimits, grace_s: float = 5.0) -> None:
-    """Serve until SIGINT/SIGTERM, then report NOT_SERVING, drain in-flight calls and exit."""
+async def serve(runner: TargetRunner, host: str, port: int, limits: ServerLimits, grace_s: float = 5.0,
+                on_bound=None) -> None:
+    """Serve until SIGINT/SIGTERM, then report NOT_SERVING, drain in-flight calls and exit.
+    `on_bound(port)` is called once the service listens."""
     server, bound, servicer, health = await create_server(runner, f"{host}:{port}", limits)
     print(f"splitspec verify service: {runner.model_id} listening on {host}:{bound}", flush=True)
+    if on_bound is not None:
+        on_bound(bound)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,0 +1,172 @@
+"""The `relay` backend: an unprivileged asyncio TCP relay that emulates a link per chunk.
+
+Each chunk read from one side is delivered to the other after the profile's one-way delay (drawn
+per chunk), behind a bottleneck of `rate_mbit` (chunks queue and are serialized in order), and
+with probability `loss_pct` a chunk is "lost": TCP would retransmit it, so it is delivered late by
+a stall of max(200 ms minimum RTO, 2 x RTT) instead of being dropped (the relay carries a byte
+stream, so it cannot drop bytes). Order is kept within a direction. `cut()` black-holes both
+directions (bytes are held, nothing is delivered) until `restore()`.
+
+Fidelity limits (measured in RELIABILITY.md on these machines): small-message latency matches a
+kernel-level emulator; bulk throughput under loss is overstated, since real TCP also shrinks its
+congestion window. Sockets get TCP_NODELAY, as gRPC sets it itself.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import threading
+import time
+
+from .profiles import LinkProfile
+
+CHUNK = 64 * 1024
+MIN_RTO_MS = 200.0
+
+
+class _Direction:
+    """Delivery schedule of one direction of one connection."""
+
+    def __init__(self, profile: LinkProfile, rng: random.Random) -> None:
+        self.profile, self.rng = profile, rng
+        self.bottleneck_free = 0.0  # when the bottleneck finishes the previous chunk (monotonic s)
+        self.last_delivery = 0.0
+
+    def deliver_at(self, now: float, nbytes: int) -> float:
+        p = self.profile
+        start = max(now, self.bottleneck_free)
+        self.bottleneck_free = start + p.serialization_ms(nbytes) / 1e3
+        delay = p.sample_delay_ms(self.rng)
+        if p.loss_pct and self.rng.random() * 100 < p.loss_pct:
+            delay += max(MIN_RTO_MS, 2 * p.rtt_ms)
+        at = self.bottleneck_free + delay / 1e3
+        reordered = p.reorder_pct and self.rng.random() * 100 < p.reorder_pct
+        if not reordered:  # a byte stream keeps its order: a chunk never overtakes the one before
+            at = max(at, self.last_delivery)
+        self.last_delivery = max(self.last_delivery, at)
+        return at
+
+
+class RelayLink:
+    """Listens on `listen` and relays every connection to `upstream` through the emulated link."""
+
+    def __init__(self, profile: LinkProfile, upstream: tuple[str, int], listen: tuple[str, int] = ("127.0.0.1", 0)):
+        self.profile, self.upstream, self.listen = profile, upstream, listen
+        self.rng = random.Random(profile.seed)
+        self.server: asyncio.base_events.Server | None = None
+        self.connected = asyncio.Event()
+        self._up = asyncio.Event()
+        self._up.set()
+        self._tasks: set[asyncio.Task] = set()
+        self.bytes_up = self.bytes_down = 0
+
+    @property
+    def port(self) -> int:
+        return self.server.sockets[0].getsockname()[1]
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._handle, *self.listen)
+        return self.port
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def cut(self) -> None:
+        """Black-hole both directions until `restore()` (connections stay open, nothing arrives)."""
+        self._up.clear()
+
+    def restore(self) -> None:
+        self._up.set()
+
+    async def _handle(self, client_reader, client_writer) -> None:
+        try:
+            server_reader, server_writer = await asyncio.open_connection(*self.upstream)
+        except OSError:
+            client_writer.close()
+            return
+        for writer in (client_writer, server_writer):
+            sock = writer.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        seed = self.rng.randrange(2**32)
+        up = _Direction(self.profile, random.Random(seed))
+        down = _Direction(self.profile, random.Random(seed + 1))
+        pumps = [asyncio.create_task(self._pump(client_reader, server_writer, up, "up")),
+                 asyncio.create_task(self._pump(server_reader, client_writer, down, "down"))]
+        self._tasks.update(pumps)
+        try:
+            await asyncio.gather(*pumps, return_exceptions=True)
+        finally:
+            self._tasks.difference_update(pumps)
+            for writer in (client_writer, server_writer):
+                writer.close()
+
+    async def _pump(self, reader, writer, direction: _Direction, name: str) -> None:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def deliver() -> None:
+            while True:
+                at, data = await queue.get()
+                if data is None:  # the sender closed its side: pass the half-close on
+                    if writer.can_write_eof():
+                        writer.write_eof()
+                    return
+                await self._up.wait()
+                wait = at - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                await self._up.wait()
+                writer.write(data)
+                await writer.drain()
+
+        sender = asyncio.create_task(deliver())
+        try:
+            while True:
+                data = await reader.read(CHUNK)
+                if not data:
+                    await queue.put((0.0, None))
+                    break
+                if name == "up":
+                    self.bytes_up += len(data)
+                else:
+                    self.bytes_down += len(data)
+                await queue.put((direction.deliver_at(time.monotonic(), len(data)), data))
+            await sender
+        except (ConnectionError, asyncio.CancelledError):
+            sender.cancel()
+            raise
+
+
+class RelayThread:
+    """A RelayLink on its own event loop thread, for synchronous callers (CLI, tests)."""
+
+    def __init__(self, profile: LinkProfile, upstream: tuple[str, int], listen: tuple[str, int] = ("127.0.0.1", 0)):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="netsim-relay")
+        self.thread.start()
+        self.link = self._call(self._make(profile, upstream, listen))
+        self.port = self._call(self.link.start())
+        self.address = f"{listen[0]}:{self.port}"
+
+    @staticmethod
+    async def _make(profile, upstream, listen) -> RelayLink:
+        return RelayLink(profile, upstream, listen)
+
+    def _call(self, coro, timeout: float = 30.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def cut(self) -> None:
+        self.loop.call_soon_threadsafe(self.link.cut)
+
+    def restore(self) -> None:
+        self.loop.call_soon_threadsafe(self.link.restore)
+
+    def stop(self) -> None:
+        self._call(self.link.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
