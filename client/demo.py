@@ -30,14 +30,19 @@ def cmd_demo(args) -> None:
     spec = load_prompts(["spec_bench"], 1, args.spec_bench)
     prompts = [spec[i] for i in range(0, len(spec), max(1, len(spec) // (2 * args.limit)))][: 2 * args.limit]
     prompts += load_prompts(["humaneval"], args.limit)
+    from .drafters import default_checkpoint
+
+    drafter = args.drafter or "auto"
+    # the shipped MoA drafter runs its LSA on the server: E values per token cross the wire, not every
+    # layer's K/V (20x fewer bytes, same drafts; see the README's measured table)
+    lsa_on_server = drafter in ("auto", "moa") and (default_checkpoint(args.target, "moa") / "drafter.json").exists()
     port = free_port()
     print(f"starting the verify service for {args.target} on 127.0.0.1:{port} ...", flush=True)
-    server = start_server(args.target, port)
+    server = start_server(args.target, port, extra=["--lsa=moa"] if lsa_on_server else [])
     try:
         client_argv = ["generate", "--server", f"127.0.0.1:{port}", "--target", args.target, "--prompt", "-",
                        "--max-new-tokens", str(args.max_new_tokens)]
-        if args.drafter:
-            client_argv += ["--drafter", args.drafter]
+        client_argv += ["--drafter", drafter] + (["--lsa-placement", "server"] if lsa_on_server else [])
         client_args = build_parser().parse_args(client_argv)
         setup = build_client(client_args)
         from splitspec.shared.models import encode_chat
