@@ -30,12 +30,12 @@ def cmd_demo(args) -> None:
     spec = load_prompts(["spec_bench"], 1, args.spec_bench)
     prompts = [spec[i] for i in range(0, len(spec), max(1, len(spec) // (2 * args.limit)))][: 2 * args.limit]
     prompts += load_prompts(["humaneval"], args.limit)
-    from .drafters import default_checkpoint
+    from .drafters import has_shipped_checkpoint
 
     drafter = args.drafter or "auto"
     # the shipped MoA drafter runs its LSA on the server: E values per token cross the wire, not every
     # layer's K/V (20x fewer bytes, same drafts; see the README's measured table)
-    lsa_on_server = drafter in ("auto", "moa") and (default_checkpoint(args.target, "moa") / "drafter.json").exists()
+    lsa_on_server = drafter in ("auto", "moa") and has_shipped_checkpoint(args.target)
     port = free_port()
     print(f"starting the verify service for {args.target} on 127.0.0.1:{port} ...", flush=True)
     server = start_server(args.target, port, extra=["--lsa=moa"] if lsa_on_server else [])

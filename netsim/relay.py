@@ -170,3 +170,9 @@ class RelayThread:
         self._call(self.link.stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
+
+    def __enter__(self) -> "RelayThread":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

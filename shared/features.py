@@ -30,10 +30,6 @@ class FeatureRequest:
     codec: int = pb.CODEC_ZSTD
     lsa_id: str = ""  # run this MoA drafter's LSA on the server
 
-    @property
-    def empty(self) -> bool:
-        return not self.hidden_layers and not self.kv_layers and not self.lsa_id
-
     def to_pb(self) -> pb.FeatureSpec:
         return pb.FeatureSpec(hidden_layers=self.hidden_layers, kv_layers=self.kv_layers,
                               quantization=self.quantization, codec=self.codec, lsa_id=self.lsa_id)

@@ -88,54 +88,40 @@ def _round_trips(port: int, n: int) -> list[float]:
 
 
 def test_relay_round_trip_matches_profile(echo):
-    relay = RelayThread(LinkProfile("t", delay_ms=15.0, jitter_ms=3.0, seed=1), ("127.0.0.1", echo.port))
-    try:
+    with RelayThread(LinkProfile("t", delay_ms=15.0, jitter_ms=3.0, seed=1), ("127.0.0.1", echo.port)) as relay:
         rtts = _round_trips(relay.port, 40)
-    finally:
-        relay.stop()
     assert 27 <= statistics.median(rtts) <= 60, rtts  # 2 x 15 ms plus loopback and scheduling
 
 
 def test_relay_rate_limits_bulk(echo):
-    relay = RelayThread(LinkProfile("t", rate_mbit=8.0), ("127.0.0.1", echo.port))
     payload = b"y" * 500_000  # 4 Mbit each way through an 8 Mbit/s bottleneck: ~0.5 s
-    try:
-        with _connect(relay.port) as s:
-            t = time.perf_counter()
-            threading.Thread(target=s.sendall, args=(payload,), daemon=True).start()
-            got = 0
-            while got < len(payload):
-                got += len(s.recv(1 << 16))
-            elapsed = time.perf_counter() - t
-    finally:
-        relay.stop()
+    with RelayThread(LinkProfile("t", rate_mbit=8.0), ("127.0.0.1", echo.port)) as relay, _connect(relay.port) as s:
+        t = time.perf_counter()
+        threading.Thread(target=s.sendall, args=(payload,), daemon=True).start()
+        got = 0
+        while got < len(payload):
+            got += len(s.recv(1 << 16))
+        elapsed = time.perf_counter() - t
     assert 0.4 <= elapsed <= 1.5, elapsed
 
 
 def test_relay_loss_stalls_like_a_retransmission(echo):
-    relay = RelayThread(LinkProfile("t", delay_ms=2.0, loss_pct=20.0, seed=3), ("127.0.0.1", echo.port))
-    try:
+    with RelayThread(LinkProfile("t", delay_ms=2.0, loss_pct=20.0, seed=3), ("127.0.0.1", echo.port)) as relay:
         rtts = _round_trips(relay.port, 30)
-    finally:
-        relay.stop()
     assert statistics.median(rtts) < 50 and max(rtts) >= 200, rtts
 
 
 def test_relay_cut_and_restore(echo):
-    relay = RelayThread(LinkProfile("t", delay_ms=1.0), ("127.0.0.1", echo.port))
-    try:
-        with _connect(relay.port) as s:
-            relay.cut()
-            time.sleep(0.05)
-            s.sendall(b"ping")
-            s.settimeout(0.3)
-            with pytest.raises(socket.timeout):
-                s.recv(4)
-            relay.restore()
-            s.settimeout(5)
-            assert s.recv(4) == b"ping"
-    finally:
-        relay.stop()
+    with RelayThread(LinkProfile("t", delay_ms=1.0), ("127.0.0.1", echo.port)) as relay, _connect(relay.port) as s:
+        relay.cut()
+        time.sleep(0.05)
+        s.sendall(b"ping")
+        s.settimeout(0.3)
+        with pytest.raises(socket.timeout):
+            s.recv(4)
+        relay.restore()
+        s.settimeout(5)
+        assert s.recv(4) == b"ping"
 
 
 def test_split_decoding_through_relay(stories, serve):
@@ -149,13 +135,11 @@ def test_split_decoding_through_relay(stories, serve):
 
     model, tokenizer, model_id = stories
     server = serve(TargetRunner(model, tokenizer, model_id))
-    relay = RelayThread(LinkProfile("t", delay_ms=3.0, jitter_ms=2.0, loss_pct=2.0, seed=5), ("127.0.0.1", server.port))
-    try:
+    link = LinkProfile("t", delay_ms=3.0, jitter_ms=2.0, loss_pct=2.0, seed=5)
+    with RelayThread(link, ("127.0.0.1", server.port)) as relay:
         prompt = tokenizer("Once upon a time, Lily saw a big dog.")["input_ids"]
         verifier = RemoteVerifier(relay.address)
         gen = SpeculativeDecoder(verifier, NgramDrafter()).generate(prompt, 30, stop_on_eos=False)
         verifier.close()
-    finally:
-        relay.stop()
     assert gen.tokens == reference_greedy(model, prompt, 30)
     assert min(c.rtt_ms for c in gen.stats.calls) >= 6.0  # every call crossed the link twice

@@ -82,7 +82,7 @@ def moa_forward(drafter: MoADrafter, parts: TargetParts, target: TargetPass, sta
     dtype = parts.embed.weight.dtype
     memory = drafter.memory(stack_layer_kv(target.keys, target.values))  # [T, E]
     positions = torch.arange(T)[None]
-    mem_keys, mem_values = drafter.ca.memory_kv(memory[None], drafter.rope(memory[None], positions))
+    mem_keys, mem_values = drafter.memory_kv(memory, positions[0])
     j = torch.arange(T)
     causal = j[None, :] <= j[:, None]
     ca_visible = (j[None, :] < starts[:, None]) | (j[None, :] == 0)

@@ -48,6 +48,10 @@ def default_checkpoint(target: str, kind: str, tli: int = 0) -> Path:
     return CHECKPOINTS / folder / (f"moa-tli{tli}" if kind == "moa" else kind)
 
 
+def has_shipped_checkpoint(target: str | None, kind: str = "moa") -> bool:
+    return target is not None and (default_checkpoint(target, kind) / "drafter.json").exists()
+
+
 def checkpoint_path(name: str, target: str) -> Path:
     """The checkpoint directory a `moa[:tli=N|:PATH]` or `eagle2[:PATH]` name refers to."""
     kind, _, arg = name.partition(":")
@@ -74,8 +78,7 @@ def make_drafter(name: str, *, target_fingerprint: str, tree: TreeConfig = TreeC
         CheckpointMismatch: a checkpoint trained for another target.
     """
     if name == "auto":  # the shipped MoA drafter for this target if there is one, else prompt lookup
-        has_moa = target is not None and (default_checkpoint(target, "moa") / "drafter.json").exists()
-        name = "moa" if has_moa else "ngram"
+        name = "moa" if has_shipped_checkpoint(target) else "ngram"
     kind, _, arg = name.partition(":")
     if kind in ("moa", "eagle2"):
         return _self_drafter(kind, arg, target_fingerprint=target_fingerprint, tree=tree, seed=seed, target=target,

@@ -73,8 +73,8 @@ class MoARuntime(Drafter):
             layers = range(self.parts.num_layers)
             memory = self.module.memory(stack_layer_kv([features.keys[i].to(self.dtype) for i in layers],
                                                        [features.values[i].to(self.dtype) for i in layers]))
-        positions = torch.arange(self.verified, self.verified + features.count)[None]
-        keys, values = self.module.ca.memory_kv(memory[None], self.module.rope(memory[None], positions))
+        positions = torch.arange(self.verified, self.verified + features.count)
+        keys, values = self.module.memory_kv(memory, positions)
         self.mem_keys = torch.cat([self.mem_keys, keys], dim=2)
         self.mem_values = torch.cat([self.mem_values, values], dim=2)
         for layer in range(self.parts.first_tli_layer, self.parts.num_layers):

@@ -179,8 +179,9 @@ class MoADrafter(nn.Module):
         out = self.lsa(layer_kv, attention_mask=full, position_ids=positions, position_embeddings=rope)
         return self.lsa_out(out.mean(dim=1))
 
-    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotary(x, positions)
+    def memory_kv(self, memory: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """CA keys/values [1, Hkv, M, Dh] of memory [M, E] at token positions [M]."""
+        return self.ca.memory_kv(memory[None], self.rotary(memory[None], positions[None]))
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, sa_mask: torch.Tensor,
                 mem_keys: torch.Tensor, mem_values: torch.Tensor, ca_mask: torch.Tensor,
