@@ -10,12 +10,20 @@ directions (bytes are held, nothing is delivered) until `restore()`.
 Fidelity limits (measured in RELIABILITY.md on these machines): small-message latency matches a
 kernel-level emulator; bulk throughput under loss is overstated, since real TCP also shrinks its
 congestion window. Sockets get TCP_NODELAY, as gRPC sets it itself.
+
+`RelayThread` runs a RelayLink on a thread of this process; `RelayProcess` in a child process
+(this module's `main`), so that nothing else in the caller delays it through the GIL.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
 import random
+import selectors
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -143,10 +151,14 @@ class RelayLink:
 
 
 class RelayThread:
-    """A RelayLink on its own event loop thread, for synchronous callers (CLI, tests)."""
+    """A RelayLink on its own event loop thread, for synchronous callers (CLI, tests).
+
+    The loop waits with select(2), so that delivery times are kept to the microsecond."""
 
     def __init__(self, profile: LinkProfile, upstream: tuple[str, int], listen: tuple[str, int] = ("127.0.0.1", 0)):
-        self.loop = asyncio.new_event_loop()
+        # select(2) takes a timeout in microseconds; epoll's is in whole milliseconds, which would
+        # deliver every chunk up to 1 ms late
+        self.loop = asyncio.SelectorEventLoop(selectors.SelectSelector())
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="netsim-relay")
         self.thread.start()
         self.link = self._call(self._make(profile, upstream, listen))
@@ -166,6 +178,10 @@ class RelayThread:
     def restore(self) -> None:
         self.loop.call_soon_threadsafe(self.link.restore)
 
+    def stats(self) -> dict:
+        """Payload bytes relayed: {"bytes_up": client to server, "bytes_down": server to client}."""
+        return {"bytes_up": self.link.bytes_up, "bytes_down": self.link.bytes_down}
+
     def stop(self) -> None:
         self._call(self.link.stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -176,3 +192,91 @@ class RelayThread:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class RelayProcess:
+    """A RelayLink in a child process; the same methods as RelayThread.
+
+    The child runs this module's `main`: it prints {"port": N} once it listens, then
+    answers one JSON line per command on stdin (cut, restore, stats) and exits at EOF.
+
+    Raises:
+        RuntimeError: the child did not start listening.
+    """
+
+    def __init__(self, profile: LinkProfile, upstream: tuple[str, int], listen: tuple[str, int] = ("127.0.0.1", 0)):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from splitspec.netsim.relay import main; sys.exit(main())",
+             "--profile", json.dumps(profile.to_dict()),
+             "--upstream", f"{upstream[0]}:{upstream[1]}", "--listen", f"{listen[0]}:{listen[1]}"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        line = self.proc.stdout.readline()
+        if not line.startswith('{"port"'):
+            self.stop()
+            raise RuntimeError(f"the relay process did not start (exit {self.proc.poll()}): {line!r}")
+        self.port = json.loads(line)["port"]
+        self.address = f"{listen[0]}:{self.port}"
+        self._lock = threading.Lock()
+
+    def _ask(self, command: str) -> dict:
+        with self._lock:
+            self.proc.stdin.write(command + "\n")
+            self.proc.stdin.flush()
+            return json.loads(self.proc.stdout.readline())
+
+    def cut(self) -> None:
+        self._ask("cut")
+
+    def restore(self) -> None:
+        self._ask("restore")
+
+    def stats(self) -> dict:
+        return self._ask("stats")
+
+    def stop(self) -> None:
+        if self.proc.stdin and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+
+    def __enter__(self) -> "RelayProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _address(text: str) -> tuple[str, int]:
+    host, port = text.rsplit(":", 1)
+    return host, int(port)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Child process of RelayProcess: --profile JSON --upstream HOST:PORT --listen HOST:PORT."""
+    parser = argparse.ArgumentParser(prog="splitspec.netsim.relay")
+    parser.add_argument("--profile", required=True, help="LinkProfile fields as JSON")
+    parser.add_argument("--upstream", required=True, type=_address)
+    parser.add_argument("--listen", default="127.0.0.1:0", type=_address)
+    args = parser.parse_args(argv)
+    relay = RelayThread(LinkProfile(**json.loads(args.profile)), args.upstream, args.listen)
+    print(json.dumps({"port": relay.port}), flush=True)
+    for line in sys.stdin:
+        command = line.strip()
+        if command in ("cut", "restore"):
+            relay.cut() if command == "cut" else relay.restore()
+            reply = {"ok": command}
+        elif command == "stats":
+            reply = relay.stats()
+        else:
+            reply = {"error": f"unknown command {command!r}"}
+        print(json.dumps(reply), flush=True)
+    relay.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

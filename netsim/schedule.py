@@ -1,0 +1,121 @@
+"""Link cuts on a schedule, for the offline experiments: "the link drops 50 s in, for 10 s".
+
+A `CutSchedule` is a sorted list of non-overlapping outages (at_s, duration_s), seconds from the
+moment the schedule starts. Text form: comma-separated `AT:DURATION` items, each a number with an
+optional unit `ms`, `s` (the default) or `m`, e.g. "50s:10s,120:5,2m:500ms".
+`ScheduledCuts(link, schedule)` runs it against any backend's `cut()` / `restore()` on a thread.
+"""
+from __future__ import annotations
+
+import re
+import threading
+import time
+from dataclasses import dataclass
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m)?\s*$")
+_UNIT_S = {"ms": 1e-3, "s": 1.0, "m": 60.0, None: 1.0}
+
+
+def parse_duration_s(text: str) -> float:
+    """Seconds in "250ms", "1.5s", "2m" or a bare number of seconds.
+
+    Raises:
+        ValueError: not a non-negative number with one of those units.
+    """
+    match = _DURATION.match(text)
+    if not match:
+        raise ValueError(f"not a duration: {text!r} (examples: 500ms, 10s, 10, 2m)")
+    return float(match.group(1)) * _UNIT_S[match.group(2)]
+
+
+@dataclass(frozen=True)
+class CutSchedule:
+    """Outages as (at_s, duration_s) pairs: sorted by start, each duration > 0, none overlapping."""
+
+    cuts: tuple[tuple[float, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        end = 0.0
+        for at_s, duration_s in self.cuts:
+            if at_s < 0 or duration_s <= 0:
+                raise ValueError(f"a cut starts at >= 0 s and lasts > 0 s, got ({at_s}, {duration_s})")
+            if at_s < end:
+                raise ValueError(f"cuts must be sorted and must not overlap: {self.cuts}")
+            end = at_s + duration_s
+
+    @classmethod
+    def parse(cls, spec: str | None) -> "CutSchedule":
+        """From "AT:DURATION,..." (see the module docstring); None or "" is no cut.
+
+        Raises:
+            ValueError: a malformed item, or cuts out of order or overlapping.
+        """
+        if not spec or not spec.strip():
+            return cls()
+        cuts = []
+        for item in spec.split(","):
+            parts = item.split(":")
+            if len(parts) != 2:
+                raise ValueError(f"a cut is AT:DURATION, got {item!r}")
+            cuts.append((parse_duration_s(parts[0]), parse_duration_s(parts[1])))
+        return cls(tuple(cuts))
+
+    @classmethod
+    def of(cls, cuts) -> "CutSchedule":
+        """From an iterable of (at_s, duration_s), sorted here."""
+        return cls(tuple(sorted((float(a), float(d)) for a, d in cuts)))
+
+    def is_cut(self, t_s: float) -> bool:
+        """Whether the link is down `t_s` seconds after the schedule started."""
+        return any(at <= t_s < at + d for at, d in self.cuts)
+
+    def transitions(self) -> list[tuple[float, bool]]:
+        """(t_s, cut) pairs in time order: True = cut at t_s, False = restore at t_s."""
+        out = []
+        for at_s, duration_s in self.cuts:
+            out += [(at_s, True), (at_s + duration_s, False)]
+        return out
+
+    def __str__(self) -> str:
+        return ",".join(f"{at:g}s:{d:g}s" for at, d in self.cuts)
+
+
+class ScheduledCuts:
+    """Applies a CutSchedule to a link (anything with cut() and restore()) on a daemon thread.
+
+    The clock starts at `start()`; `stop()` cancels the rest and leaves the link restored.
+    `log` holds (t_s, "cut" | "restore") as applied, t_s measured from start.
+    """
+
+    def __init__(self, link, schedule: CutSchedule, clock=time.monotonic) -> None:
+        self.link, self.schedule, self.clock = link, schedule, clock
+        self.log: list[tuple[float, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="netsim-cuts")
+        self.t0 = 0.0
+
+    def start(self) -> "ScheduledCuts":
+        self.t0 = self.clock()
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        for t_s, cut in self.schedule.transitions():
+            if self._stop.wait(max(0.0, self.t0 + t_s - self.clock())):
+                return
+            self.link.cut() if cut else self.link.restore()
+            self.log.append((self.clock() - self.t0, "cut" if cut else "restore"))
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        if self.log and self.log[-1][1] == "cut":
+            self.link.restore()
+            self.log.append((self.clock() - self.t0, "restore"))
+
+    def __enter__(self) -> "ScheduledCuts":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
