@@ -2,49 +2,161 @@
 
 Every call carries a deadline; message sizes are counted from the serialized protobufs so the
 stats show exactly what crossed the wire (gRPC compression stays off: tensors are zstd inside).
+The channel is plaintext, or TLS / mTLS when a CA or client certificate is given; a bearer token
+rides as call credentials over TLS (or as metadata over plaintext, for loopback and test set-ups).
+Keepalive pings notice a dead link within keepalive_time + keepalive_timeout.
 """
 from __future__ import annotations
 
+import collections
+import ipaddress
+import logging
+import os
 import time
+from pathlib import Path
 
 import grpc
 import torch
 
 from splitspec.shared import codec
+from splitspec.shared.config import CLIENT_TOKEN_ENV, check_token, read_tokens
 from splitspec.shared.features import FeatureBatch
 from splitspec.v1 import verify_pb2 as pb
 from splitspec.v1 import verify_pb2_grpc as pb_grpc
 
-from .verifier import CallStats, OpenResult, ServerInfo, StepResult, Verifier, VerifierSession
+from .verifier import CallStats, LinkDown, OpenResult, ServerInfo, SessionLost, StepResult, Verifier, VerifierSession
 
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 * 2**20),
-    ("grpc.max_send_message_length", 4 * 2**20),
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-]
+log = logging.getLogger(__name__)
+
+
+def channel_options(keepalive_time_s: float = 30.0, keepalive_timeout_s: float = 20.0,
+                    max_receive_bytes: int = 64 * 2**20, max_send_bytes: int = 4 * 2**20) -> list[tuple[str, int]]:
+    """gRPC channel arguments of the client.
+
+    The client pings every `keepalive_time_s` (also while a call waits and while idle) and drops the
+    connection when a ping is not acknowledged within `keepalive_timeout_s`: calls on a black-holed
+    link fail with UNAVAILABLE within about keepalive_time_s + keepalive_timeout_s. The server must
+    permit pings that often (ServerLimits.min_ping_interval_s <= keepalive_time_s) or it answers
+    with GOAWAY. With grpcio 1.85 the timeout that closes the connection is
+    `grpc.http2.ping_timeout_ms` (default 60 s), for keepalive and flow-control (BDP) pings alike,
+    so it is set to `keepalive_timeout_s`. A ping's acknowledgement queues behind the reply bytes
+    already in flight, so `keepalive_timeout_s` must exceed the longest a reply can take on the
+    slowest link (bytes / rate: 20 s carries 12 MB at 5 Mbit/s).
+    """
+    ms = lambda s: max(1, round(s * 1e3))  # noqa: E731
+    return [
+        ("grpc.max_receive_message_length", max_receive_bytes),
+        ("grpc.max_send_message_length", max_send_bytes),
+        ("grpc.keepalive_time_ms", ms(keepalive_time_s)),
+        ("grpc.keepalive_timeout_ms", ms(keepalive_timeout_s)),
+        ("grpc.http2.ping_timeout_ms", ms(keepalive_timeout_s)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+CHANNEL_OPTIONS = channel_options()
+
+
+_CallFields = collections.namedtuple("_CallFields", "method timeout metadata credentials wait_for_ready compression")
+
+
+class _CallDetails(_CallFields, grpc.ClientCallDetails):
+    pass
+
+
+class _BearerMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds `authorization: Bearer <token>` to every call of a plaintext channel."""
+
+    def __init__(self, token: str) -> None:
+        self._entry = ("authorization", f"Bearer {token}")
+
+    def _details(self, d):
+        return _CallDetails(d.method, d.timeout, [*(d.metadata or ()), self._entry], d.credentials,
+                            d.wait_for_ready, d.compression)
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+
+def _is_loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def make_channel(address: str, options=CHANNEL_OPTIONS, token: str | None = None, tls_ca: bytes | None = None,
+                 client_cert: bytes | None = None, client_key: bytes | None = None) -> grpc.Channel:
+    """A channel to HOST:PORT: TLS when `tls_ca` (PEM CA bundle; None = system roots) or a client
+    certificate is given, mTLS with `client_cert` + `client_key` (PEM); plaintext otherwise.
+    `token` is sent as `authorization: Bearer <token>` on every call.
+
+    Raises:
+        ValueError: a client certificate without its key or the reverse.
+    """
+    if (client_cert is None) != (client_key is None):
+        raise ValueError("mTLS needs both the client certificate and its private key")
+    if tls_ca is not None or client_cert is not None:
+        credentials = grpc.ssl_channel_credentials(root_certificates=tls_ca, private_key=client_key,
+                                                   certificate_chain=client_cert)
+        if token:
+            credentials = grpc.composite_channel_credentials(credentials, grpc.access_token_call_credentials(token))
+        return grpc.secure_channel(address, credentials, options=options)
+    channel = grpc.insecure_channel(address, options=options)
+    if not token:
+        return channel
+    if not _is_loopback(address):
+        log.warning("sending the auth token to %s without TLS: anyone on the path can read it", address)
+    return grpc.intercept_channel(channel, _BearerMetadata(token))
+
+
+def load_client_security(token_file: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+                         tls_key: str | None = None) -> dict:
+    """RemoteVerifier keyword arguments from files: the first token of `token_file` (else the
+    SPLITSPEC_AUTH_TOKEN environment variable, else none) and the PEM files named.
+
+    Raises:
+        OSError: a file cannot be read. ValueError: the token file holds no valid token.
+    """
+    token = read_tokens(token_file)[0] if token_file else None
+    if token is None and os.environ.get(CLIENT_TOKEN_ENV, "").strip():
+        token = check_token(os.environ[CLIENT_TOKEN_ENV].strip())
+    read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
+    return {"token": token, "tls_ca": read(tls_ca), "client_cert": read(tls_cert), "client_key": read(tls_key)}
 
 
 class RemoteVerifier(Verifier):
     """Connects to `address` (HOST:PORT) and reads the server's Info. `timeout_s` is every call's
-    deadline, `connect_timeout_s` the wait for the first connection.
+    deadline, `connect_timeout_s` the wait for the first connection. `token`: bearer token;
+    `tls_ca`, `client_cert`, `client_key`: PEM bytes for TLS / mTLS (see `make_channel`);
+    `options`: gRPC channel arguments (`channel_options(...)`, default CHANNEL_OPTIONS).
 
     Raises:
-        ConnectionError: the server cannot be reached within `timeout_s`.
-        grpc.RpcError: the server refused the Info call.
+        ConnectionError: the server cannot be reached (or the TLS handshake fails) within
+            `connect_timeout_s`.
+        grpc.RpcError: the server refused the Info call (UNAUTHENTICATED: missing or wrong token).
+        ValueError: a client certificate without its key or the reverse.
     """
 
-    def __init__(self, address: str, timeout_s: float = 60.0, connect_timeout_s: float = 10.0) -> None:
+    def __init__(self, address: str, timeout_s: float = 60.0, connect_timeout_s: float = 10.0,
+                 token: str | None = None, tls_ca: bytes | None = None, client_cert: bytes | None = None,
+                 client_key: bytes | None = None, options=None) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = make_channel(address, CHANNEL_OPTIONS if options is None else options, token=token,
+                                    tls_ca=tls_ca, client_cert=client_cert, client_key=client_key)
         self.stub = pb_grpc.VerifyServiceStub(self.channel)
         try:
             grpc.channel_ready_future(self.channel).result(timeout=connect_timeout_s)
         except grpc.FutureTimeoutError as err:
             self.channel.close()
-            raise ConnectionError(f"no verify service reachable at {address} within {connect_timeout_s:g} s") from err
+            raise ConnectionError(f"no verify service reachable at {address} within {connect_timeout_s:g} s"
+                                  f"{' (or the TLS handshake failed)' if tls_ca or client_cert else ''}") from err
         info = self.stub.Info(pb.InfoRequest(), timeout=timeout_s)
         self.info = ServerInfo(
             model_id=info.model_id, tokenizer_fingerprint=info.tokenizer_fingerprint, vocab_size=info.vocab_size,
@@ -64,19 +176,41 @@ class RemoteVerifier(Verifier):
     def close(self) -> None:
         self.channel.close()
 
+    def probe(self, timeout_s: float = 1.0) -> bool:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            reply = health_pb2_grpc.HealthStub(self.channel).Check(
+                health_pb2.HealthCheckRequest(service="splitspec.v1.VerifyService"), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
 
 class _RemoteSession(VerifierSession):
     def __init__(self, verifier: RemoteVerifier, session_id: bytes) -> None:
         self.verifier = verifier
         self.session_id = session_id
         self.step = 0
+        self.in_flight: pb.VerifyRequest | None = None  # a step whose outcome is unknown (LinkDown)
 
-    def verify(self, tree, draft_probs):
+    def verify(self, tree, draft_probs, forced_tokens=()):
+        if self.in_flight is not None:
+            raise RuntimeError(f"step {self.in_flight.step} is unresolved: call resume() first")
         request = pb.VerifyRequest(session_id=self.session_id, step=self.step + 1,
-                                   tree=pb.DraftTree(tokens=tree.tokens, parents=tree.parents))
+                                   tree=pb.DraftTree(tokens=tree.tokens, parents=tree.parents),
+                                   forced_tokens=forced_tokens)
         if draft_probs:
             request.draft_probs.CopyFrom(encode_draft_probs(draft_probs))
-        reply, stats = _call(self.verifier.stub.Verify, request, self.verifier.timeout_s)
+        self.in_flight = request
+        return self._send()
+
+    def resume(self):
+        return self._send() if self.in_flight is not None else None
+
+    def _send(self) -> StepResult:
+        reply, stats = _call(self.verifier.stub.Verify, self.in_flight, self.verifier.timeout_s)
+        self.in_flight = None
         self.step += 1
         return StepResult(tuple(reply.accepted_tokens), reply.bonus_token, reply.bonus_recovered,
                           FeatureBatch.from_pb(reply.features), stats)
@@ -101,9 +235,21 @@ def encode_draft_probs(draft_probs) -> pb.DraftProbs:
     return pb.DraftProbs(rows=rows, token_ids=codec.encode(ids), probs=codec.encode(probs))
 
 
+_LINK_DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
 def _call(method, request, timeout_s: float):
+    """One unary call. Raises LinkDown (unreachable / deadline missed), SessionLost (NOT_FOUND) or
+    the grpc.RpcError of any other refusal."""
     start = time.perf_counter()
-    reply = method(request, timeout=timeout_s)
+    try:
+        reply = method(request, timeout=timeout_s)
+    except grpc.RpcError as err:
+        if err.code() in _LINK_DOWN:
+            raise LinkDown(f"verify service: {err.code().name}: {err.details()}") from err
+        if err.code() == grpc.StatusCode.NOT_FOUND:
+            raise SessionLost(err.details()) from err
+        raise
     rtt_ms = (time.perf_counter() - start) * 1e3
     t = reply.timings
     return reply, CallStats(rtt_ms, t.total_ms, t.forward_ms, request.ByteSize(), reply.ByteSize())

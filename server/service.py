@@ -3,30 +3,41 @@
 The servicer is thin: validate (server/validation.py), hand model work to the single model worker
 thread, convert the result to protobuf. Refusals carry a status code and a short message; an
 unexpected error becomes INTERNAL without a stack trace, and the server keeps serving.
+
+Admission happens before any model work, in this order: authentication (server/auth.py, an
+interceptor), request parsing, drain state and the per-client rate limit (`_admitted`),
+validation, session count and KV budgets (server/limits.py). Logs and metrics (server/metrics.py)
+hold counts, sizes and times only, never prompt or output text or token ids.
 """
 from __future__ import annotations
 
 import asyncio
 import functools
+import ipaddress
 import logging
 import os
 import signal
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from splitspec.shared.config import ServerLimits
+from splitspec.shared.config import ServerLimits, ServerSecurity
 from splitspec.shared.kv import cache_length
 from splitspec.shared.models import eos_token_ids, tokenizer_fingerprint
 from splitspec.v1 import verify_pb2 as pb
 from splitspec.v1 import verify_pb2_grpc as pb_grpc
 
+from .auth import BearerAuthInterceptor, TokenSet, client_identity, server_credentials
+from .limits import KVBudget, RateLimiter, kv_bytes_per_token
+from .metrics import ServiceMetrics
 from .runner import TargetRunner, TargetSession
-from .validation import ServiceError, check_context, check_draft_probs, check_open, check_tree
+from .validation import ServiceError, check_context, check_draft_probs, check_forced, check_open, check_tree
 
 log = logging.getLogger(__name__)
 
@@ -41,28 +52,80 @@ class _Entry:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     last_reply: pb.VerifyReply | None = None
     closed: bool = False
+    kv_tokens: int = 0  # positions its cache holds, set by the worker after each model call
+
+
+class MalformedRequest:
+    """Stands in for a request whose bytes do not parse; the servicer answers INVALID_ARGUMENT
+    (gRPC itself would answer UNKNOWN)."""
+
+    def __init__(self, type_name: str) -> None:
+        self.type_name = type_name
+
+
+def _lenient_parser(message_cls):
+    def parse(data: bytes):
+        try:
+            return message_cls.FromString(data)
+        except (DecodeError, ValueError, RecursionError):
+            return MalformedRequest(message_cls.DESCRIPTOR.full_name)
+    return parse
 
 
 def _refusals(method):
-    """Map ServiceError to its status code and anything unexpected to INTERNAL."""
+    """Map ServiceError to its status code and anything unexpected to INTERNAL, count refusals.
+    Logs name the method and the status code only: refusal messages may quote request contents."""
+    name = method.__name__
+
     @functools.wraps(method)
     async def wrapper(self, request, context):
         try:
+            if isinstance(request, MalformedRequest):
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid {request.type_name}")
             return await method(self, request, context)
         except ServiceError as err:
+            self.metrics.refused(name, err.code.name)
+            log.debug("%s refused with %s", name, err.code.name)
+            if err.retry_after_s is not None:
+                pushback_ms = max(1, round(err.retry_after_s * 1e3))
+                context.set_trailing_metadata((("grpc-retry-pushback-ms", str(pushback_ms)),))
             await context.abort(err.code, err.message)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
-        except Exception:  # noqa: BLE001 - the server must survive any one request
-            log.exception("%s failed", method.__name__)
+        except Exception as err:  # noqa: BLE001 - the server must survive any one request
+            self.metrics.refused(name, "INTERNAL")
+            log.error("%s failed with %s at\n%s", name, type(err).__name__,
+                      "".join(traceback.format_tb(err.__traceback__)))  # frames only: no message, no values
             await context.abort(grpc.StatusCode.INTERNAL, "internal error while serving the request")
     return wrapper
 
 
-class VerifyServicer(pb_grpc.VerifyServiceServicer):
-    """Sessions, each with its own KV cache, verified on one model worker thread."""
+def _admitted(method):
+    """For calls that do model work: refused with UNAVAILABLE while the server drains and with
+    RESOURCE_EXHAUSTED (and a retry hint) over the client's rate; counted as in flight until done."""
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        self._admit(context)
+        self._inflight += 1
+        self._idle.clear()
+        try:
+            return await method(self, request, context)
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+    return wrapper
 
-    def __init__(self, runner: TargetRunner, limits: ServerLimits = ServerLimits()) -> None:
+
+class VerifyServicer(pb_grpc.VerifyServiceServicer):
+    """Sessions, each with its own KV cache, verified on one model worker thread.
+
+    `authenticated`: the server checks bearer tokens, so clients are rate-limited by token rather
+    than by address. Session bookkeeping (`sessions`) changes only on the event loop.
+    """
+
+    def __init__(self, runner: TargetRunner, limits: ServerLimits = ServerLimits(),
+                 metrics: ServiceMetrics | None = None, authenticated: bool = False) -> None:
         self.runner = runner
         self.limits = limits
         self.max_context = min(limits.max_context or runner.max_positions, runner.max_positions)
@@ -70,14 +133,48 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         self.eos_ids = eos_token_ids(runner.model, runner.tokenizer)
         self.sessions: dict[bytes, _Entry] = {}
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target")
+        self.kv = KVBudget(limits, kv_bytes_per_token(runner.config, runner.dtype),
+                           held=lambda: sum(e.kv_tokens for e in list(self.sessions.values())))
+        self.rate = RateLimiter(limits.rate_limit_per_s, limits.rate_limit_burst) if limits.rate_limit_per_s else None
+        self.authenticated = authenticated
+        self.metrics = metrics if metrics is not None else ServiceMetrics()
+        self.metrics.track(lambda: len(self.sessions), lambda: self.kv.tokens, lambda: self.kv.bytes)
+        self.draining = False
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
 
-    async def _run(self, fn, *args):
-        """Run model work on the worker; returns (result, perf_counter time the work started)."""
+    async def _run(self, fn, *args, reserved: int = 0):
+        """Run model work on the worker; returns (result, perf_counter time the work started).
+        `reserved` KV tokens are released on the worker once the work is over (the work itself
+        records its session's new cache length first), even if the caller gave up."""
         def job():
             started = time.perf_counter()
-            return fn(*args), started
+            try:
+                return fn(*args), started
+            finally:
+                self.kv.release(reserved)
 
         return await asyncio.get_running_loop().run_in_executor(self.worker, job)
+
+    def _admit(self, context) -> None:
+        if self.draining:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; reconnect later")
+        if self.rate is not None:
+            wait = self.rate.acquire(client_identity(context, self.authenticated))
+            if wait > 0:
+                raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"rate limit of {self.rate.rate:g} calls/s per client exceeded; "
+                                   f"retry in {wait:.3f} s",
+                                   retry_after_s=wait)
+
+    async def drained(self, timeout_s: float) -> bool:
+        """Wait until no OpenSession/Verify call is in flight; False if `timeout_s` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
     @_refusals
     async def Info(self, request, context):
@@ -91,6 +188,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
             eos_token_ids=self.eos_ids, max_draft_support=lim.max_draft_support, lsa_ids=sorted(r.lsa_modules))
 
     @_refusals
+    @_admitted
     async def OpenSession(self, request, context):
         arrived = time.perf_counter()
         prompt, sampling, features = check_open(
@@ -101,36 +199,73 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         if len(self.sessions) >= self.limits.max_sessions:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"server holds its maximum of {self.limits.max_sessions} sessions")
+        reserved = self.kv.reserve(0, len(prompt))
         session_id = os.urandom(16)
         placeholder = _Entry(session_id, None)  # reserve the slot before awaiting the worker
         self.sessions[session_id] = placeholder
         try:
-            (session, batch, forward_ms), started = await self._run(self.runner.open, prompt, sampling, features)
+            (session, batch, forward_ms), started = await self._run(
+                self._open_session, placeholder, prompt, sampling, features, reserved=reserved)
         except BaseException:
-            self.sessions.pop(session_id, None)
+            self._forget(placeholder)
             raise
         placeholder.session = session
         placeholder.last_used = time.monotonic()
-        return pb.OpenSessionReply(
+        reply = pb.OpenSessionReply(
             session_id=session_id, first_token=session.pending_token, features=batch.to_pb(features),
             timings=_timings(arrived, (started - arrived) * 1e3, forward_ms))
+        self._fit_reply(reply, placeholder)
+        log.debug("session opened: %d prompt tokens, %d sessions", len(prompt), len(self.sessions))
+        return reply
+
+    def _open_session(self, entry: _Entry, prompt, sampling, features):
+        """Prefill on the worker thread; records the new cache's length for the KV budget."""
+        session, batch, forward_ms = self.runner.open(prompt, sampling, features)
+        entry.kv_tokens = cache_length(session.cache)
+        return session, batch, forward_ms
 
     @_refusals
+    @_admitted
     async def Verify(self, request, context):
         arrived = time.perf_counter()
         entry = self._entry(request.session_id)
         async with entry.lock:
             entry.last_used = time.monotonic()
             tree = check_tree(request, vocab_size=self.runner.vocab_size, limits=self.limits)
+            forced = check_forced(request, vocab_size=self.runner.vocab_size, limits=self.limits)
             draft_probs = {}
             if not entry.session.sampling.greedy and request.HasField("draft_probs"):
                 draft_probs = check_draft_probs(request.draft_probs, tree, vocab_size=self.runner.vocab_size,
                                                 limits=self.limits)
-            reply, _ = await self._run(self._verify_step, entry, request.step, tree, draft_probs, arrived)
+            reserved = self._reserve_step(entry, request.step, max(len(forced), 1) + tree.size)
+            try:
+                reply, _ = await self._run(self._verify_step, entry, request.step, tree, draft_probs, forced, arrived,
+                                           reserved=reserved)
+            finally:
+                if entry.closed:  # the model work failed on the worker
+                    self._forget(entry)
             entry.last_used = time.monotonic()
+            self._fit_reply(reply, entry)
             return reply
 
-    def _verify_step(self, entry: _Entry, step: int, tree, draft_probs, arrived: float) -> pb.VerifyReply:
+    def _reserve_step(self, entry: _Entry, step: int, new_tokens: int) -> int:
+        """KV admission of a step adding `new_tokens` positions at its peak (0 for a replayed step)."""
+        if step == entry.session.step:
+            return 0
+        current = cache_length(entry.session.cache)
+        return self.kv.reserve(current, current + new_tokens)
+
+    def _fit_reply(self, reply, entry: _Entry) -> None:
+        """Refuse a reply over the send limit with a clear message instead of gRPC's generic one;
+        its session cannot go on (its state already moved past the reply), so it is closed."""
+        size = reply.ByteSize()
+        if size > self.limits.max_send_bytes:
+            self._forget(entry)
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"the reply of {size} bytes exceeds the server's limit of {self.limits.max_send_bytes} "
+                               f"bytes; the session is closed (request fewer features or a shorter prompt)")
+
+    def _verify_step(self, entry: _Entry, step: int, tree, draft_probs, forced, arrived: float) -> pb.VerifyReply:
         """One step on the worker thread. Step bookkeeping happens here, serialized with the model
         work, so a call whose client gave up still records its reply and a retry gets that reply."""
         session = entry.session
@@ -140,14 +275,14 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
             return entry.last_reply  # a retried step: same answer, no model work
         if step != session.step + 1:
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, f"step {step} out of order; expected {session.step + 1}")
-        check_context(cache_length(session.cache), tree.size, self.max_context)
+        check_context(cache_length(session.cache), tree.size + max(len(forced) - 1, 0), self.max_context)
         started = time.perf_counter()
         try:
-            out = self.runner.verify(session, tree, draft_probs)
+            out = self.runner.verify(session, tree, draft_probs, forced)
         except Exception:
             entry.closed = True  # the cache may be half-updated: this session cannot go on
-            self.sessions.pop(entry.session_id, None)
             raise
+        entry.kv_tokens = cache_length(session.cache)
         reply = pb.VerifyReply(
             step=step, accepted_nodes=out.accept.accepted_nodes, accepted_tokens=out.accepted_tokens,
             bonus_token=out.accept.bonus_token, bonus_recovered=out.accept.recovered,
@@ -155,34 +290,45 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
             timings=_timings(arrived, (started - arrived) * 1e3, out.forward_ms))
         session.step = step
         entry.last_reply = reply
+        t = reply.timings
+        self.metrics.step(tree.size, len(out.accepted_tokens), t.queue_ms, t.forward_ms, t.total_ms)
+        log.debug("step %d: %d of %d draft tokens accepted", step, len(out.accepted_tokens), tree.size)
         return reply
 
     @_refusals
     async def CloseSession(self, request, context):
         entry = self._entry(request.session_id)
-        entry.closed = True
-        self.sessions.pop(request.session_id, None)
+        self._forget(entry)
+        log.debug("session closed after %d steps, %d sessions", entry.session.step, len(self.sessions))
         return pb.CloseSessionReply()
+
+    def _forget(self, entry: _Entry) -> None:
+        """Close a session and drop it (its cache is freed once no worker job holds it)."""
+        entry.closed = True
+        if self.sessions.get(entry.session_id) is entry:
+            del self.sessions[entry.session_id]
 
     def _entry(self, session_id: bytes) -> _Entry:
         if len(session_id) != 16:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "session_id must be 16 bytes")
         entry = self.sessions.get(session_id)
-        if entry is None or entry.session is None:
+        if entry is None or entry.session is None or entry.closed:
             raise ServiceError(grpc.StatusCode.NOT_FOUND, "unknown or expired session")
         if time.monotonic() - entry.last_used > self.limits.session_idle_ttl_s and not entry.lock.locked():
-            self.sessions.pop(session_id, None)
+            self._forget(entry)
             raise ServiceError(grpc.StatusCode.NOT_FOUND, "session expired (idle too long)")
         return entry
 
     def evict_idle(self) -> int:
         """Drop sessions idle longer than the TTL; returns how many were dropped."""
         now = time.monotonic()
-        stale = [sid for sid, e in self.sessions.items()
+        stale = [e for e in self.sessions.values()
                  if e.session is not None and not e.lock.locked()
                  and now - e.last_used > self.limits.session_idle_ttl_s]
-        for sid in stale:
-            self.sessions.pop(sid).closed = True
+        for entry in stale:
+            self._forget(entry)
+        if stale:
+            log.debug("evicted %d idle sessions", len(stale))
         return len(stale)
 
 
@@ -191,27 +337,63 @@ def _timings(arrived: float, queue_ms: float, forward_ms: float) -> pb.Timings:
     return pb.Timings(queue_ms=max(queue_ms, 0.0), forward_ms=forward_ms, total_ms=(time.perf_counter() - arrived) * 1e3)
 
 
-async def create_server(runner: TargetRunner, address: str = "127.0.0.1:0",
-                        limits: ServerLimits = ServerLimits()):
-    """Build and start a server. Returns (server, port, servicer, health).
+def server_options(limits: ServerLimits) -> list[tuple[str, int]]:
+    """gRPC channel arguments of the server: message sizes, keepalive, ping policy.
 
-    Tests bind port 0 with SO_REUSEPORT off so parallel servers never share a port.
+    The server pings every `keepalive_time_s` and drops a connection whose ping is not acknowledged
+    within `keepalive_timeout_s`; it accepts client pings as often as every `min_ping_interval_s`
+    (clients must not ping more often: after `max_ping_strikes` offences it sends GOAWAY).
     """
-    options = [
+    ms = lambda s: max(1, round(s * 1e3))  # noqa: E731
+    return [
         ("grpc.max_receive_message_length", limits.max_receive_bytes),
         ("grpc.max_send_message_length", limits.max_send_bytes),
         ("grpc.so_reuseport", 0),
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.keepalive_time_ms", ms(limits.keepalive_time_s)),
+        ("grpc.keepalive_timeout_ms", ms(limits.keepalive_timeout_s)),
+        ("grpc.http2.ping_timeout_ms", ms(limits.keepalive_timeout_s)),
         ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", ms(limits.min_ping_interval_s)),
+        ("grpc.http2.max_ping_strikes", limits.max_ping_strikes),
     ]
-    server = grpc.aio.server(options=options)
-    servicer = VerifyServicer(runner, limits)
-    pb_grpc.add_VerifyServiceServicer_to_server(servicer, server)
+
+
+def service_handlers(servicer: VerifyServicer) -> grpc.GenericRpcHandler:
+    """The VerifyService methods, registered with lenient request parsers (see MalformedRequest)."""
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["VerifyService"].methods:
+        request_cls = getattr(pb, method.input_type.name)
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, method.name), request_deserializer=_lenient_parser(request_cls),
+            response_serializer=lambda reply: reply.SerializeToString())
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+async def create_server(runner: TargetRunner, address: str = "127.0.0.1:0",
+                        limits: ServerLimits = ServerLimits(), security: ServerSecurity = ServerSecurity(),
+                        metrics: ServiceMetrics | None = None):
+    """Build and start a server. Returns (server, port, servicer, health).
+
+    `security`: bearer tokens (checked on every method but health), TLS and mTLS. Tests bind
+    port 0 with SO_REUSEPORT off so parallel servers never share a port.
+
+    Raises:
+        RuntimeError: the address cannot be bound.
+    """
+    metrics = metrics if metrics is not None else ServiceMetrics()
+    interceptors = []
+    if security.tokens:
+        interceptors.append(BearerAuthInterceptor(TokenSet(security.tokens),
+                                                  on_refusal=lambda method: metrics.refused(method, "UNAUTHENTICATED")))
+    server = grpc.aio.server(options=server_options(limits), interceptors=interceptors)
+    servicer = VerifyServicer(runner, limits, metrics=metrics, authenticated=bool(security.tokens))
+    server.add_generic_rpc_handlers((service_handlers(servicer),))
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    port = server.add_insecure_port(address)
+    if security.tls:
+        port = server.add_secure_port(address, server_credentials(security))
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"could not bind {address}")
     await server.start()
@@ -220,12 +402,46 @@ async def create_server(runner: TargetRunner, address: str = "127.0.0.1:0",
     return server, port, servicer, health
 
 
+async def shutdown(server: grpc.aio.Server, servicer: VerifyServicer, health, grace_s: float) -> bool:
+    """Graceful shutdown: health NOT_SERVING first, then new OpenSession/Verify calls are refused
+    with UNAVAILABLE while the calls in flight finish (up to `grace_s` seconds), then the server
+    stops (cancelling whatever is left) and the model worker ends. Returns True if all drained."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace_s
+    await health.enter_graceful_shutdown()
+    servicer.draining = True
+    drained = await servicer.drained(grace_s)
+    await server.stop(max(deadline - loop.time(), 0.0))
+    servicer.worker.shutdown(wait=True)
+    return drained
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 async def serve(runner: TargetRunner, host: str, port: int, limits: ServerLimits, grace_s: float = 5.0,
-                on_bound=None) -> None:
-    """Serve until SIGINT/SIGTERM, then report NOT_SERVING, drain in-flight calls and exit.
-    `on_bound(port)` is called once the service listens."""
-    server, bound, servicer, health = await create_server(runner, f"{host}:{port}", limits)
-    print(f"splitspec verify service: {runner.model_id} listening on {host}:{bound}", flush=True)
+                on_bound=None, security: ServerSecurity = ServerSecurity(), metrics_port: int | None = None,
+                metrics_host: str = "127.0.0.1") -> None:
+    """Serve until SIGINT/SIGTERM, then shut down gracefully (see `shutdown`).
+    `on_bound(port)` is called once the service listens; `metrics_port` exports Prometheus metrics.
+
+    Raises:
+        RuntimeError / OSError: the service or metrics port cannot be bound.
+    """
+    metrics = ServiceMetrics()
+    server, bound, servicer, health = await create_server(runner, f"{host}:{port}", limits, security, metrics)
+    scheme = "TLS" if security.tls else "plaintext"
+    auth = f"{len(security.tokens)} bearer token(s)" if security.tokens else "no auth"
+    print(f"splitspec verify service: {runner.model_id} listening on {host}:{bound} ({scheme}, {auth})", flush=True)
+    if not _is_loopback(host) and not (security.tls and security.tokens):
+        log.warning("serving on %s without TLS and bearer tokens: anyone who can reach it can use it", host)
+    if metrics_port is not None:
+        exported = metrics.serve_http(metrics_port, metrics_host)
+        print(f"splitspec verify service: metrics on http://{metrics_host}:{exported}/metrics", flush=True)
     if on_bound is not None:
         on_bound(bound)
     stop = asyncio.Event()
@@ -240,8 +456,8 @@ async def serve(runner: TargetRunner, host: str, port: int, limits: ServerLimits
 
     sweeper = asyncio.create_task(sweep())
     await stop.wait()
-    print("splitspec verify service: shutting down", flush=True)
-    await health.enter_graceful_shutdown()
-    await server.stop(grace_s)
+    print("splitspec verify service: shutting down (draining in-flight steps)", flush=True)
     sweeper.cancel()
-    servicer.worker.shutdown(wait=True)
+    drained = await shutdown(server, servicer, health, grace_s)
+    metrics.stop_http()
+    print(f"splitspec verify service: stopped{'' if drained else ' (grace period over, calls cancelled)'}", flush=True)

@@ -21,12 +21,14 @@ from splitspec.v1 import verify_pb2 as pb
 
 
 class ServiceError(Exception):
-    """A refusal with its gRPC status code and a short message (no stack trace reaches the client)."""
+    """A refusal with its gRPC status code and a short message (no stack trace reaches the client).
+    `retry_after_s`: when the client may try again (sent as `grpc-retry-pushback-ms` trailing metadata)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s
 
 
 def invalid(message: str) -> ServiceError:
@@ -88,6 +90,17 @@ def check_tree(request: pb.VerifyRequest, *, vocab_size: int, limits: ServerLimi
         code = grpc.StatusCode.RESOURCE_EXHAUSTED if "limit" in str(err) else grpc.StatusCode.INVALID_ARGUMENT
         raise ServiceError(code, str(err)) from err
     return DraftTree(tuple(tokens), tuple(parents))
+
+
+def check_forced(request: pb.VerifyRequest, *, vocab_size: int, limits: ServerLimits) -> tuple[int, ...]:
+    """Validate a Verify request's forced tokens (at most max_prompt_tokens ids below the vocab size)."""
+    forced = tuple(request.forced_tokens)
+    if len(forced) > limits.max_prompt_tokens:
+        raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"{len(forced)} forced tokens exceed the limit of {limits.max_prompt_tokens}")
+    if any(t < 0 or t >= vocab_size for t in forced):
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"forced token ids must lie in [0, {vocab_size})")
+    return forced
 
 
 def check_context(context_len: int, tree_size: int, max_context: int) -> None:

@@ -1,12 +1,30 @@
-"""Configuration dataclasses, built from the command line in one place (client/cli.py)."""
+"""Configuration dataclasses, built from the command line in one place (client/cli.py), and the
+readers of the secrets some of them hold (bearer tokens, PEM files)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import os
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+TOKEN_ENV = "SPLITSPEC_AUTH_TOKENS"  # the server's accepted tokens, one per line or comma-separated
+CLIENT_TOKEN_ENV = "SPLITSPEC_AUTH_TOKEN"  # the token a client presents
+MIN_TOKEN_CHARS = 16
+_TOKEN_RE = re.compile(r"[\x21-\x7e]+")  # printable ASCII without spaces: a valid metadata value
 
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """What the verify service accepts; every request is checked against these before model work."""
+    """What the verify service accepts; every request is checked against these before model work.
+
+    KV budgets count the tokens whose keys/values a session's cache holds at the peak of a step
+    (context + the step's new tokens + its tree), and bytes as tokens x the model's KV bytes per
+    token (server/limits.py). None means unlimited (a session stays bounded by `max_context`).
+
+    Raises:
+        ValueError: a limit is not positive.
+    """
 
     max_tree_nodes: int = 64
     max_tree_depth: int = 32
@@ -17,6 +35,105 @@ class ServerLimits:
     max_draft_support: int = 256  # entries per draft-probability row
     max_receive_bytes: int = 4 * 2**20  # per request message
     max_send_bytes: int = 64 * 2**20  # per reply message
+    max_session_kv_tokens: int | None = None
+    max_session_kv_bytes: int | None = None
+    max_total_kv_tokens: int | None = None  # over all sessions
+    max_total_kv_bytes: int | None = 4 * 2**30
+    rate_limit_per_s: float | None = None  # OpenSession + Verify calls per client identity; None = off
+    rate_limit_burst: int = 200  # token-bucket depth (calls a client may make at once)
+    keepalive_time_s: float = 30.0  # server pings an idle-looking connection this often
+    keepalive_timeout_s: float = 10.0  # and closes it when the ping is not acknowledged in time
+    min_ping_interval_s: float = 5.0  # clients may ping this often (>= it) without a ping strike
+    max_ping_strikes: int = 2  # too-frequent pings tolerated before GOAWAY; 0 = unlimited
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            zero_ok = f.name in ("max_ping_strikes",)
+            if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
+                raise ValueError(f"server limit {f.name} must be {'>= 0' if zero_ok else '> 0'}, got {value}")
+
+
+@dataclass(frozen=True)
+class ServerSecurity:
+    """Who may call the verify service. `tokens`: accepted bearer tokens (empty = no auth);
+    `tls_cert`/`tls_key`: PEM server certificate chain and key (None = plaintext);
+    `tls_client_ca`: PEM CA bundle that client certificates must chain to (mTLS).
+    Secrets never appear in the repr.
+
+    Raises:
+        ValueError: a key without a certificate (or the reverse), mTLS without TLS, a malformed token.
+    """
+
+    tokens: tuple[str, ...] = field(default=(), repr=False)
+    tls_cert: bytes | None = field(default=None, repr=False)
+    tls_key: bytes | None = field(default=None, repr=False)
+    tls_client_ca: bytes | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TLS needs both a certificate and its private key")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("mTLS (a client CA) needs TLS: give the server certificate and key too")
+        for token in self.tokens:
+            check_token(token)
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+
+def check_token(token: str) -> str:
+    """A bearer token must be printable ASCII without whitespace, >= MIN_TOKEN_CHARS long.
+
+    Raises:
+        ValueError: naming the rule broken, never the token.
+    """
+    if not _TOKEN_RE.fullmatch(token):
+        raise ValueError("an auth token must be printable ASCII without spaces")
+    if len(token) < MIN_TOKEN_CHARS:
+        raise ValueError(f"an auth token must have at least {MIN_TOKEN_CHARS} characters")
+    return token
+
+
+def read_tokens(path: str | os.PathLike) -> tuple[str, ...]:
+    """Tokens from a file, one per line; blank lines and lines starting with '#' are skipped.
+
+    Raises:
+        ValueError: the file holds no token, or a malformed one.
+        OSError: the file cannot be read.
+    """
+    try:
+        lines = Path(path).read_bytes().decode("ascii").splitlines()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: auth tokens must be ASCII") from None
+    tokens = tuple(check_token(line.strip()) for line in lines if line.strip() and not line.lstrip().startswith("#"))
+    if not tokens:
+        raise ValueError(f"{path} holds no auth token")
+    return tokens
+
+
+def tokens_from_env(name: str = TOKEN_ENV) -> tuple[str, ...]:
+    """Tokens from an environment variable (newline- or comma-separated); () when it is unset."""
+    raw = os.environ.get(name, "")
+    return tuple(check_token(t.strip()) for t in re.split(r"[,\n]", raw) if t.strip())
+
+
+def parse_size(text: str) -> int:
+    """'4096', '512K', '64M', '4G' (binary units) -> bytes.
+
+    Raises:
+        ValueError: not a positive size.
+    """
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?)i?B?\s*", text, re.IGNORECASE)
+    if not match:
+        raise ValueError(f"not a size: {text!r} (use e.g. 4096, 512K, 64M, 4G)")
+    value = float(match.group(1)) * 1024 ** " KMG".index(match.group(2).upper() or " ")
+    if value < 1:
+        raise ValueError(f"size must be >= 1 byte: {text!r}")
+    return int(value)
 
 
 @dataclass(frozen=True)

@@ -70,13 +70,16 @@ def smollm2():
 class ServerThread:
     """A verify service on 127.0.0.1:<free port>, its event loop on a background thread."""
 
-    def __init__(self, runner: TargetRunner, limits: ServerLimits = ServerLimits()) -> None:
+    def __init__(self, runner: TargetRunner, limits: ServerLimits = ServerLimits(), address: str = "127.0.0.1:0",
+                 **server_kw) -> None:
+        """`server_kw`: further create_server arguments (security=..., metrics=...)."""
+        self.stopped = False
         from splitspec.server.service import create_server
 
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        future = asyncio.run_coroutine_threadsafe(create_server(runner, "127.0.0.1:0", limits), self.loop)
+        future = asyncio.run_coroutine_threadsafe(create_server(runner, address, limits, **server_kw), self.loop)
         self.server, self.port, self.servicer, self.health = future.result(timeout=30)
         self.address = f"127.0.0.1:{self.port}"
 
@@ -84,6 +87,9 @@ class ServerThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=60)
 
     def stop(self) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
         self.call(self.server.stop(None))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
@@ -92,11 +98,11 @@ class ServerThread:
 
 @pytest.fixture
 def serve():
-    """serve(runner, limits=...) -> ServerThread, stopped at teardown."""
+    """serve(runner, limits=..., **create_server kwargs) -> ServerThread, stopped at teardown."""
     started = []
 
-    def start(runner, limits: ServerLimits = ServerLimits()) -> ServerThread:
-        started.append(ServerThread(runner, limits))
+    def start(runner, limits: ServerLimits = ServerLimits(), **server_kw) -> ServerThread:
+        started.append(ServerThread(runner, limits, **server_kw))
         return started[-1]
 
     yield start

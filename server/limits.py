@@ -1,0 +1,127 @@
+"""Admission control of the verify service: KV-cache budgets and a per-client rate limit.
+
+Both answer before any model work, so a refusal costs the server microseconds. A refusal is a
+`ServiceError` with RESOURCE_EXHAUSTED and a short message (and, for the rate limit, a retry hint).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+import grpc
+import torch
+
+from splitspec.shared.config import ServerLimits
+
+from .validation import ServiceError
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes of keys + values one cached token costs: 2 x layers x KV heads x head_dim x element size.
+
+    `config` is a transformers model config (num_hidden_layers, num_attention_heads, hidden_size,
+    optional num_key_value_heads and head_dim).
+    """
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * element
+
+
+class KVBudget:
+    """Per-session and server-wide KV-cache budgets, in tokens and bytes.
+
+    `held()` returns the tokens all sessions' caches hold now. A step is admitted with `reserve`
+    (on the event loop, before the model work is queued) for the growth from its session's current
+    length to its peak; the worker calls `release` when the model work is over, whether or not the
+    caller still waits. Thread-safe. Bytes are tokens x `bytes_per_token`.
+    """
+
+    def __init__(self, limits: ServerLimits, bytes_per_token: int, held: Callable[[], int]) -> None:
+        self.limits = limits
+        self.bytes_per_token = bytes_per_token
+        self.held = held
+        self._reserved = 0
+        self._lock = threading.Lock()
+
+    @property
+    def tokens(self) -> int:
+        """Tokens held by all caches plus those reserved for steps in flight."""
+        with self._lock:
+            return self.held() + self._reserved
+
+    @property
+    def bytes(self) -> int:
+        return self.tokens * self.bytes_per_token
+
+    def reserve(self, current_tokens: int, peak_tokens: int) -> int:
+        """Admit a step that takes a session's cache from `current_tokens` to `peak_tokens` positions.
+
+        Returns the reserved growth (pass it to `release`).
+        Raises:
+            ServiceError: RESOURCE_EXHAUSTED naming the budget that would be broken.
+        """
+        lim, per_token = self.limits, self.bytes_per_token
+        _check("session KV tokens", peak_tokens, lim.max_session_kv_tokens, "tokens")
+        _check("session KV bytes", peak_tokens * per_token, lim.max_session_kv_bytes, "bytes")
+        growth = max(peak_tokens - current_tokens, 0)
+        with self._lock:
+            total = self.held() + self._reserved + growth
+            _check("server KV tokens", total, lim.max_total_kv_tokens, "tokens")
+            _check("server KV bytes", total * per_token, lim.max_total_kv_bytes, "bytes")
+            self._reserved += growth
+        return growth
+
+    def release(self, growth: int) -> None:
+        with self._lock:
+            self._reserved -= growth
+
+
+def _check(what: str, value: int, limit: int | None, unit: str) -> None:
+    if limit is not None and value > limit:
+        raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"{what} budget exceeded: this step needs {value} {unit}, the limit is {limit}")
+
+
+class RateLimiter:
+    """A token bucket per client identity: `rate_per_s` calls per second on average, `burst` at once.
+
+    Buckets of clients that have been quiet long enough to refill completely are forgotten, and at
+    most `max_clients` buckets are kept (the least recently seen go first), so a flood of identities
+    cannot grow memory. Not thread-safe: call from the event loop.
+    """
+
+    def __init__(self, rate_per_s: float, burst: int, max_clients: int = 10_000, clock=time.monotonic) -> None:
+        if rate_per_s <= 0 or burst < 1:
+            raise ValueError(f"rate limit needs rate > 0 and burst >= 1, got {rate_per_s}, {burst}")
+        self.rate, self.burst, self.max_clients, self.clock = rate_per_s, burst, max_clients, clock
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # identity -> (tokens, time)
+
+    def acquire(self, identity: str) -> float:
+        """Take one call from `identity`'s bucket. Returns 0.0 when allowed, else the seconds until
+        a call would be allowed (the bucket is left unchanged)."""
+        now = self.clock()
+        tokens, last = self._buckets.pop(identity, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - last) * self.rate)
+        if tokens >= 1.0:
+            tokens -= 1.0
+            wait = 0.0
+        else:
+            wait = (1.0 - tokens) / self.rate
+        self._buckets[identity] = (tokens, now)
+        self._forget(now)
+        return wait
+
+    def _forget(self, now: float) -> None:
+        full_after = self.burst / self.rate
+        while self._buckets:
+            identity, (_, last) = next(iter(self._buckets.items()))
+            if len(self._buckets) <= self.max_clients and now - last < full_after:
+                break
+            del self._buckets[identity]
+
+    def __len__(self) -> int:
+        return len(self._buckets)
