@@ -66,9 +66,32 @@ class StepResult:
         return (*self.accepted_tokens, self.bonus_token)
 
 
+class LinkDown(ConnectionError):
+    """The verify service could not be reached or a call missed its deadline. The request may or may
+    not have run on the server; `VerifierSession.resume` finds out."""
+
+
+class SessionLost(RuntimeError):
+    """The server no longer holds the session (restarted, or the session idled past its TTL)."""
+
+
 class VerifierSession(ABC):
+    def resume(self) -> StepResult | None:
+        """After LinkDown: re-send the step that failed, unchanged (same session id and step number,
+        so a step the server already ran is answered from its record without model work).
+
+        Returns:
+            That step's result, or None when no step was in flight.
+        Raises:
+            LinkDown: still unreachable. SessionLost: the server lost the session.
+        """
+        return None
+
     @abstractmethod
-    def verify(self, tree: DraftTree, draft_probs: dict[int, SparseProbs]) -> StepResult: ...
+    def verify(self, tree: DraftTree, draft_probs: dict[int, SparseProbs],
+               forced_tokens: tuple[int, ...] = ()) -> StepResult:
+        """Verify `tree` below the pending token, or below `forced_tokens` [F] (client-committed
+        tokens replacing the pending token; see VerifyRequest.forced_tokens)."""
 
     @abstractmethod
     def close(self) -> None: ...
@@ -83,6 +106,10 @@ class Verifier(ABC):
 
     def close(self) -> None:
         """Release connections; sessions are closed by their owners."""
+
+    def probe(self, timeout_s: float = 1.0) -> bool:
+        """True when the verify service answers (used to reconnect after LinkDown)."""
+        return True
 
 
 class LocalVerifier(Verifier):
@@ -113,9 +140,9 @@ class _LocalSession(VerifierSession):
         self.runner = runner
         self.session = session
 
-    def verify(self, tree, draft_probs):
+    def verify(self, tree, draft_probs, forced_tokens=()):
         start = time.perf_counter()
-        out = self.runner.verify(self.session, tree, draft_probs)
+        out = self.runner.verify(self.session, tree, draft_probs, tuple(forced_tokens))
         elapsed = (time.perf_counter() - start) * 1e3
         return StepResult(out.accepted_tokens, out.accept.bonus_token, out.accept.recovered, out.features,
                           CallStats(elapsed, elapsed, out.forward_ms))

@@ -16,7 +16,7 @@ from splitspec.shared.features import FeatureBatch, FeatureRequest
 from splitspec.shared.drafters.moa import stack_layer_kv
 from splitspec.shared.acceptance import AcceptResult, SparseProbs, accept_greedy, accept_sampling
 from splitspec.shared.sampling import SamplingParams, make_generator, sample, warp_probs
-from splitspec.shared.tree import DraftTree, tree_buffers
+from splitspec.shared.tree import ROOT, DraftTree, tree_buffers
 
 
 @dataclass
@@ -84,27 +84,32 @@ class TargetRunner:
 
     @torch.inference_mode()
     def verify(self, session: TargetSession, tree: DraftTree,
-               draft_probs: dict[int, SparseProbs] | None = None) -> StepOutput:
+               draft_probs: dict[int, SparseProbs] | None = None, forced_tokens: tuple[int, ...] = ()) -> StepOutput:
         """Score the pending token plus the tree [N] in one forward, accept, and commit the KV.
 
         The cache ends holding the prefix, the pending token and the accepted nodes; the bonus token
-        becomes the new pending token.
+        becomes the new pending token. `forced_tokens` [F] (client-committed, unverified) replace the
+        pending token: they are committed as they are, and the tree hangs off the last of them. Their
+        features come back first (`accepted_tokens` holds only accepted draft tokens).
         """
         prefix_len = kv.cache_length(session.cache)
-        buffers = tree_buffers(tree.parents)
-        ids = torch.tensor([[session.pending_token, *tree.tokens]], device=self.device)  # [1, N + 1]
+        chain = list(forced_tokens) or [session.pending_token]
+        full = _hang_tree(chain, tree)  # the forced chain, then the tree below its last token
+        buffers = tree_buffers(full.parents)
+        ids = torch.tensor([[chain[0], *full.tokens]], device=self.device)  # [1, F + N]
         start = time.perf_counter()
         out = self.model(input_ids=ids, past_key_values=session.cache, use_cache=True,
                          attention_mask=buffers.attention_mask(prefix_len, self.dtype, self.device),
                          position_ids=buffers.position_ids(prefix_len).to(self.device),
                          output_hidden_states=bool(session.features.hidden_layers))
         forward_ms = (time.perf_counter() - start) * 1e3
-        logits = out.logits[0].float().cpu()  # [N + 1, V]
+        root = len(chain) - 1  # the forward row of the tree's root
+        logits = out.logits[0, root:].float().cpu()  # [N + 1, V]
         if session.sampling.greedy:
             result = accept_greedy(tree, logits)
         else:
             result = accept_sampling(tree, logits, session.sampling, draft_probs or {}, session.generator)
-        rows = [0] + [node + 1 for node in result.accepted_nodes]
+        rows = list(range(len(chain))) + [root + 1 + node for node in result.accepted_nodes]
         kv.keep_rows(session.cache, prefix_len, rows)
         features = self._features(session, out.hidden_states, rows, prefix_len)
         session.pending_token = result.bonus_token
@@ -129,3 +134,14 @@ class TargetRunner:
             layer_kv = stack_layer_kv([k for k, _ in per_layer], [v for _, v in per_layer])
             batch.lsa = module.memory(layer_kv.to(next(module.parameters()).dtype)).float().cpu()
         return batch
+
+
+def _hang_tree(chain: list[int], tree: DraftTree) -> DraftTree:
+    """`chain[1:]` as a path of nodes with the tree below its last one; the forward's root row is
+    `chain[0]` (the pending position)."""
+    links = len(chain) - 1
+    if links == 0:
+        return tree
+    parents = [ROOT] + list(range(links - 1))
+    parents += [links - 1 if p == ROOT else p + links for p in tree.parents]
+    return DraftTree(tuple(chain[1:]) + tuple(tree.tokens), tuple(parents))

@@ -55,13 +55,26 @@ def test_sampling_is_seeded(stories_path, capsys):
     assert json.loads(_run(capsys, argv)[1])["token_ids"] == first
 
 
-def test_chat_commands(stories_path, monkeypatch, capsys):
-    monkeypatch.setattr("sys.stdin", io.StringIO("/stats\nHello there\n/stats\n/reset\nBye\n/quit\n"))
-    code, out, _ = _run(capsys, ["chat", "--local", "--target", str(stories_path), "--drafter", "ngram",
-                                 "--max-new-tokens", "8"])
+def test_chat_commands_and_history(stories_path, monkeypatch, capsys, tmp_path):
+    from splitspec.client.history import ChatHistory
+
+    db = tmp_path / "chat.sqlite3"
+    monkeypatch.setattr("sys.stdin", io.StringIO("/stats\nHello there\n/stats\n/reset\nBye <private>zq</private>\n/quit\n"))
+    args = ["chat", "--local", "--target", str(stories_path), "--drafter", "ngram", "--max-new-tokens", "8",
+            "--history", str(db)]
+    code, out, _ = _run(capsys, args)
     assert code == 0
-    assert "(no answer yet)" in out and "target calls" in out and "(conversation cleared)" in out
+    assert "(no answer yet)" in out and "target calls" in out and "(new conversation)" in out
     assert out.count("bot>") == 2
+    history = ChatHistory(db)
+    last = history.last_conversation()
+    messages = history.messages(last)
+    assert [m["role"] for m in messages] == ["user", "assistant"] and all(m["complete"] for m in messages)
+    assert messages[0]["content"] == "Bye <private>zq</private>"
+    assert len(history.tokens(messages[1]["id"])) == 8  # the answer's tokens, written as they committed
+    monkeypatch.setattr("sys.stdin", io.StringIO("/quit\n"))
+    code, out, _ = _run(capsys, args + ["--resume"])
+    assert code == 0 and "2 earlier messages" in out
 
 
 def test_tokenizer_mismatch_is_refused(stories_path, serve, stories, capsys, tiny_random):

@@ -204,3 +204,22 @@ def test_greedy_equality_split(trained, chat_stories, serve, name):
     ref = reference_greedy(model, prompt, 50)
     gen = SpeculativeDecoder(verifier, runtime).generate(prompt, 50, stop_on_eos=False)
     assert gen.tokens == ref
+
+
+@pytest.mark.parametrize("name", ["moa0", "moa1", "eagle20"])
+def test_offline_continuation_heals_to_greedy(trained, chat_stories, name):
+    """The trained drafters write alone past the verified positions (TLI layers fed their own
+    predicted K/V, EAGLE its own predicted features); healed on reconnection, the answer is exact."""
+    from .test_offline import FAST, FlakyVerifier
+
+    model, tokenizer, model_id, _ = chat_stories
+    kind, module, _ = load_checkpoint(trained[name][0])
+    tree = TreeConfig(depth=4, top_b=3, max_nodes=10)
+    runtime = (MoARuntime(module, TargetParts(model, module.config.tli), tree)
+               if kind == "moa" else EagleRuntime(module, TargetParts(model, 0), tree))
+    prompt = _prompt(tokenizer, "Tom had a big red ball. He")
+    ref = reference_greedy(model, prompt, 50)
+    verifier = FlakyVerifier(TargetRunner(model, tokenizer, model_id), {3: "after", 9: "before"}, down_probes=4)
+    gen = SpeculativeDecoder(verifier, runtime, FAST).generate(prompt, 50, stop_on_eos=False)
+    assert gen.tokens == ref and gen.verified
+    assert gen.stats.offline_tokens >= 8 and gen.stats.disconnects == 2

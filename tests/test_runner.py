@@ -79,3 +79,23 @@ def _sequential_greedy(model, ids, n):
     for _ in range(n):
         out.append(int(_sequential_logits(model, ids + out)[-1].argmax()))
     return out
+
+
+def test_forced_tokens_replace_the_pending_token(tiny_random):
+    """Forced tokens are committed as sent and the tree is verified below them: the result equals
+    a session opened with them in the prompt, and features cover them."""
+    from .conftest import reference_greedy
+
+    model, tokenizer, model_id = tiny_random
+    runner = TargetRunner(model, tokenizer, model_id)
+    prompt, forced = [1, 200, 33, 87], [77, 5, 401]
+    ref = reference_greedy(model, prompt + forced, 4)
+    session, _, _ = runner.open(prompt, SamplingParams(), FeatureRequest(hidden_layers=(-1,), kv_layers=(0,)))
+    out = runner.verify(session, DraftTree.chain(ref[:3]), {}, tuple(forced))
+    assert list(out.accepted_tokens) == ref[:3] and out.accept.bonus_token == ref[3]
+    assert kv.cache_length(session.cache) == len(prompt) + len(forced) + 3
+    assert out.features.start == len(prompt) and out.features.count == len(forced) + 3
+    fresh, _, _ = runner.open(prompt + forced, SamplingParams(), FeatureRequest(kv_layers=(0,)))
+    span = (len(prompt), len(prompt) + len(forced))
+    assert torch.allclose(kv.layer_kv(session.cache, 0, *span)[0], kv.layer_kv(fresh.cache, 0, *span)[0], atol=ATOL)
+    assert torch.allclose(out.features.keys[0][:, : len(forced)], kv.layer_kv(fresh.cache, 0, *span)[0], atol=ATOL)

@@ -47,7 +47,13 @@ class Drafter(ABC):
 
     @abstractmethod
     def propose(self, context: Sequence[int], limits: DraftLimits, sampling: SamplingParams) -> Proposal:
-        """Draft after `context` (all committed tokens; its last is the pending token)."""
+        """Draft after `context` (all committed tokens; its last is the pending token). Tokens after
+        the last position with features (offline or privately produced text) must be handled too."""
 
     def commit(self, new_tokens: Sequence[int], features: FeatureBatch) -> None:
         """Tokens were committed (accepted + bonus); `features` cover the newly cached positions."""
+
+    def rollback(self, length: int) -> None:
+        """The committed context was cut back to its first `length` tokens (offline text healed by the
+        target); drop any state for later positions. Features never cover positions >= `length - 1`
+        when this is called."""

@@ -34,6 +34,9 @@ class DraftModelDrafter(Drafter):
     def reset(self, prompt_ids, features) -> None:
         self.cache = kv.new_cache(self.model.config)
 
+    def rollback(self, length: int) -> None:
+        kv.truncate(self.cache, min(length, kv.cache_length(self.cache)))
+
     @torch.inference_mode()
     def propose(self, context: Sequence[int], limits: DraftLimits, sampling: SamplingParams) -> Proposal:
         cached = kv.cache_length(self.cache)

@@ -37,12 +37,16 @@ class EagleRuntime(Drafter):
     def reset(self, prompt_ids, features: FeatureBatch) -> None:
         self.features = torch.zeros(0, self.module.config.hidden_size, dtype=self.dtype)  # [verified, E]
         self.cache = DynamicCache()
+        self.predicted: dict[int, torch.Tensor] = {}  # position -> f^ for positions without true features
         if features.count:
             self.commit((), features)
 
     def commit(self, new_tokens, features: FeatureBatch) -> None:
         if features.start != self.features.shape[0]:
             raise ValueError(f"features start at {features.start}; {self.features.shape[0]} are known")
+        if kv.cache_length(self.cache) > features.start:  # slots fed with predicted features give way
+            kv.truncate(self.cache, features.start)
+        self.predicted.clear()
         self.features = torch.cat([self.features, features.hidden[-1].to(self.dtype)])
 
     def _run(self, tokens: list[int], feats: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -53,15 +57,23 @@ class EagleRuntime(Drafter):
     @torch.inference_mode()
     def propose(self, context: Sequence[int], limits: DraftLimits, sampling: SamplingParams) -> Proposal:
         pending = len(context) - 1
-        if self.features.shape[0] != pending:
+        if self.features.shape[0] > pending:
             raise RuntimeError(f"{self.features.shape[0]} features known but the pending token is at {pending}")
+        verified = self.features.shape[0]
         cached = kv.cache_length(self.cache)
-        slots_new = list(range(cached, pending))  # slot j: (token j+1, f_j)
-        positions = torch.tensor([slots_new])
-        mask = torch.where(torch.arange(pending)[None, :] <= positions[0, :, None], 0.0, torch.finfo(self.dtype).min)
-        predicted = self._run([context[j + 1] for j in slots_new], self.features[cached:pending], positions,
-                              mask.to(self.dtype)[None, None])
-        root_feature = predicted[-1]  # f^_t, the pending token's predicted feature
+        if cached < verified:  # slot j: (token j+1, f_j), true features
+            slots_new = list(range(cached, verified))
+            positions = torch.tensor([slots_new])
+            mask = torch.where(torch.arange(verified)[None, :] <= positions[0, :, None], 0.0,
+                               torch.finfo(self.dtype).min)
+            out = self._run([context[j + 1] for j in slots_new], self.features[cached:verified], positions,
+                            mask.to(self.dtype)[None, None])
+            self.predicted[verified] = out[-1]
+            cached = verified
+        for j in range(cached, pending):  # offline / private tokens: fed the drafter's own f^_j
+            mask = torch.zeros(1, 1, 1, j + 1, dtype=self.dtype)
+            self.predicted[j + 1] = self._run([context[j + 1]], self.predicted[j][None], torch.tensor([[j]]), mask)[0]
+        root_feature = self.predicted[pending]  # f^_t, the pending token's predicted feature
         node_feature: dict[int, torch.Tensor] = {}
         slots: dict[int, int] = {}
 
@@ -79,3 +91,7 @@ class EagleRuntime(Drafter):
         proposal = build_tree(root_logits, expand, self.tree, limits, sampling, self.generator)
         kv.truncate(self.cache, pending)
         return proposal
+
+    def rollback(self, length: int) -> None:
+        kv.truncate(self.cache, min(length - 1, kv.cache_length(self.cache)))
+        self.predicted = {j: f for j, f in self.predicted.items() if j < length}

@@ -77,6 +77,8 @@ class MoARuntime(Drafter):
         keys, values = self.module.memory_kv(memory, positions)
         self.mem_keys = torch.cat([self.mem_keys, keys], dim=2)
         self.mem_values = torch.cat([self.mem_values, values], dim=2)
+        if self.tli:  # predicted TLI entries past the verified positions give way to the true ones
+            kv.truncate(self.tli_cache, self.verified, layer=self.parts.first_tli_layer)
         for layer in range(self.parts.first_tli_layer, self.parts.num_layers):
             self.tli_cache.update(features.keys[layer][None].to(self.dtype), features.values[layer][None].to(self.dtype),
                                   layer)
@@ -95,17 +97,24 @@ class MoARuntime(Drafter):
 
     @torch.inference_mode()
     def propose(self, context: Sequence[int], limits: DraftLimits, sampling: SamplingParams) -> Proposal:
+        """Positions after the verified ones (the pending token, and offline or privately produced
+        tokens) have no target activations: CA sees only verified memory, and with TLI their K/V in
+        the target's last layers are the drafter's own predictions (kept between proposals)."""
         pending = len(context) - 1
-        if self.verified != pending:
+        if self.verified > pending:
             raise RuntimeError(f"{self.verified} positions verified but the pending token is at {pending}")
-        cached = kv.cache_length(self.sa_cache)
-        new = list(context[cached:])
-        positions = torch.arange(cached, len(context))[None]
+        start = kv.cache_length(self.sa_cache)
+        tli_len = kv.cache_length(self.tli_cache, self.parts.first_tli_layer) if self.tli else pending
+        start = min(start, tli_len)  # rows still to run through the TLI layers need their SA/CA outputs
+        kv.truncate(self.sa_cache, start)
+        new = list(context[start:])
+        positions = torch.arange(start, len(context))[None]
         sa_mask = torch.zeros(1, 1, len(new), len(context), dtype=self.dtype)
         sa_mask[0, 0] = torch.where(torch.arange(len(context))[None, :] <= positions[0, :, None], 0.0,
                                     torch.finfo(self.dtype).min)
-        tli_mask = torch.zeros(1, 1, 1, pending + 1, dtype=self.dtype)  # the pending token sees all verified
-        root_logits = self._step(new, positions, sa_mask, tli_mask)[0]
+        tli_rows = len(context) - tli_len
+        tli_mask = sa_mask[:, :, -tli_rows:]  # causal: each row sees every earlier position
+        root_logits = self._step(new, positions, sa_mask, tli_mask)[-1]
         slots: dict[int, int] = {}
 
         def expand(frontier: list[int], pool) -> torch.Tensor:
@@ -116,5 +125,11 @@ class MoARuntime(Drafter):
         proposal = build_tree(root_logits, expand, self.tree, limits, sampling, self.generator)
         kv.truncate(self.sa_cache, len(context))
         if self.tli:
-            kv.truncate(self.tli_cache, pending, layer=self.parts.first_tli_layer)
+            kv.truncate(self.tli_cache, len(context), layer=self.parts.first_tli_layer)
         return proposal
+
+    def rollback(self, length: int) -> None:
+        kv.truncate(self.sa_cache, min(length, kv.cache_length(self.sa_cache)))
+        if self.tli:
+            first = self.parts.first_tli_layer
+            kv.truncate(self.tli_cache, min(length, kv.cache_length(self.tli_cache, first)), layer=first)

@@ -201,16 +201,18 @@ class DraftProbs(_message.Message):
     def __init__(self, rows: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., probs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "step", "tree", "draft_probs")
+    __slots__ = ("session_id", "step", "tree", "draft_probs", "forced_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    FORCED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     step: int
     tree: DraftTree
     draft_probs: DraftProbs
-    def __init__(self, session_id: _Optional[bytes] = ..., step: _Optional[int] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., draft_probs: _Optional[_Union[DraftProbs, _Mapping]] = ...) -> None: ...
+    forced_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[bytes] = ..., step: _Optional[int] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., draft_probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., forced_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
     __slots__ = ("step", "accepted_nodes", "accepted_tokens", "bonus_token", "bonus_recovered", "features", "timings")

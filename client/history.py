@@ -1,0 +1,99 @@
+"""The chat history: a local SQLite file written as tokens commit, so a crash of either side loses
+no conversation.
+
+Tables: `conversations` (one per chat), `messages` (role, text, complete flag) and `tokens` (the
+answer being written: position, token id, who wrote it — target, offline, kept, private). Stream
+events (client/loop.py StreamEvent) are applied as they arrive, each in its own transaction; when
+an answer completes its text is stored in `messages` and its token rows stay for inspection.
+An answer interrupted by a crash is found with `complete = 0`; `recover()` rebuilds its text.
+The file holds private text: it never leaves the device.
+"""
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS conversations (
+    id INTEGER PRIMARY KEY, created REAL NOT NULL, target TEXT NOT NULL, drafter TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS messages (
+    id INTEGER PRIMARY KEY, conversation INTEGER NOT NULL REFERENCES conversations(id),
+    role TEXT NOT NULL, content TEXT NOT NULL, complete INTEGER NOT NULL, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS tokens (
+    message INTEGER NOT NULL REFERENCES messages(id), position INTEGER NOT NULL,
+    token INTEGER NOT NULL, source TEXT NOT NULL, PRIMARY KEY (message, position));
+"""
+
+
+def default_path() -> Path:
+    return Path.home() / ".local/share/splitspec/chat.sqlite3"
+
+
+class ChatHistory:
+    """Raises sqlite3.Error when the file cannot be opened or written."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(self.path, check_same_thread=False)  # writes: one `with self.db` each
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self.db.close()
+
+    def new_conversation(self, target: str, drafter: str) -> int:
+        with self.db:
+            return self.db.execute("INSERT INTO conversations (created, target, drafter) VALUES (?, ?, ?)",
+                                   (time.time(), target, drafter)).lastrowid
+
+    def last_conversation(self) -> int | None:
+        row = self.db.execute("SELECT max(id) FROM conversations").fetchone()
+        return row[0]
+
+    def add_message(self, conversation: int, role: str, content: str, complete: bool = True) -> int:
+        with self.db:
+            return self.db.execute(
+                "INSERT INTO messages (conversation, role, content, complete, created) VALUES (?, ?, ?, ?, ?)",
+                (conversation, role, content, int(complete), time.time())).lastrowid
+
+    def messages(self, conversation: int) -> list[dict]:
+        rows = self.db.execute("SELECT id, role, content, complete FROM messages WHERE conversation = ? ORDER BY id",
+                               (conversation,)).fetchall()
+        return [{"id": i, "role": r, "content": c, "complete": bool(done)} for i, r, c, done in rows]
+
+    def answer_writer(self, message: int) -> "AnswerWriter":
+        return AnswerWriter(self, message)
+
+    def tokens(self, message: int) -> list[tuple[int, str]]:
+        return self.db.execute("SELECT token, source FROM tokens WHERE message = ? ORDER BY position",
+                               (message,)).fetchall()
+
+    def finish(self, message: int, content: str) -> None:
+        with self.db:
+            self.db.execute("UPDATE messages SET content = ?, complete = 1 WHERE id = ?", (content, message))
+
+    def recover(self, message: int, tokenizer) -> str:
+        """The text of an interrupted answer from its committed token rows."""
+        return tokenizer.decode([t for t, _ in self.tokens(message)], skip_special_tokens=True)
+
+
+class AnswerWriter:
+    """A StreamEvent consumer that mirrors the answer into the `tokens` table."""
+
+    def __init__(self, history: ChatHistory, message: int) -> None:
+        self.db, self.message = history.db, message
+
+    def __call__(self, event) -> None:
+        with self.db:  # one transaction per event
+            if event.kind == "tokens":
+                self.db.executemany("INSERT INTO tokens (message, position, token, source) VALUES (?, ?, ?, ?)",
+                                    [(self.message, event.start + i, t, event.source) for i, t in enumerate(event.tokens)])
+            elif event.kind == "retract":
+                self.db.execute("DELETE FROM tokens WHERE message = ? AND position >= ?", (self.message, event.start))
+            else:  # verified / kept
+                source = "target" if event.kind == "verified" else "kept"
+                self.db.execute("UPDATE tokens SET source = ? WHERE message = ? AND position >= ? AND position < ?",
+                                (source, self.message, event.start, event.start + event.count))

@@ -1,0 +1,193 @@
+"""Private spans: prompt text that never leaves the device.
+
+A prompt can mark spans private (chat: `<private>...</private>`; API: segments with
+`private=True`). Every token overlapping a private span is replaced, in all that is sent to the
+server, by one placeholder token id, so positions stay aligned and the drafter (which sees the
+real text) can use the target's features of the other positions. Draft nodes whose token
+completes an n-gram (n = `ngram`, 2 by default) of private tokens are never sent; when the
+drafter's own best continuation reproduces private text, the client writes those tokens itself
+and the server sees placeholders for them too (client/loop.py).
+
+What the server can learn: the number and positions of private tokens (one placeholder each), the
+target's reaction to placeholders, and, with n >= 2, a single token of a private span that the
+drafter proposed on its own (n = 1 withholds every private token id). It never receives private
+text, its token ids (as a run of n or more), embeddings or activations computed from them: the
+server computes activations of the placeholder only.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Sequence
+
+from splitspec.shared.models import encode_rendered
+from splitspec.shared.tree import ROOT, DraftTree
+
+from .drafters.base import Proposal
+
+PRIVATE_TAG = re.compile(r"<private>(.*?)</private>", re.DOTALL)
+PLACEHOLDER_TEXT = " _"
+
+
+@dataclass(frozen=True)
+class Segment:
+    text: str
+    private: bool = False
+
+
+def parse_private_tags(text: str) -> list[Segment]:
+    """Split chat text on `<private>...</private>` tags.
+
+    Raises:
+        ValueError: an unmatched or nested tag.
+    """
+    segments, last = [], 0
+    for match in PRIVATE_TAG.finditer(text):
+        segments.append(Segment(text[last:match.start()]))
+        segments.append(Segment(match.group(1), private=True))
+        last = match.end()
+    segments.append(Segment(text[last:]))
+    if any("<private>" in s.text or "</private>" in s.text for s in segments):
+        raise ValueError("unmatched or nested <private> tag")
+    return [s for s in segments if s.text]
+
+
+@dataclass(frozen=True)
+class PrivacyGuard:
+    """The private positions of one prompt and the rules applied to everything sent.
+
+    `mask`: [P] True for prompt tokens that are private; `placeholder`: the id the server sees in
+    their place; `ngram`: drafts completing a run of this many private tokens are withheld.
+    """
+
+    prompt_ids: tuple[int, ...]
+    mask: tuple[bool, ...]
+    placeholder: int
+    ngram: int = 2
+
+    def __post_init__(self) -> None:
+        if len(self.mask) != len(self.prompt_ids):
+            raise ValueError(f"private mask has {len(self.mask)} entries for {len(self.prompt_ids)} prompt tokens")
+        if self.ngram < 1:
+            raise ValueError("ngram must be >= 1")
+        runs, run = [], []
+        for token, private in zip(self.prompt_ids, self.mask):
+            if private:
+                run.append(token)
+            elif run:
+                runs.append(run)
+                run = []
+        if run:
+            runs.append(run)
+        grams = {tuple(r[i:i + self.ngram]) for r in runs for i in range(len(r) - self.ngram + 1)}
+        object.__setattr__(self, "_grams", frozenset(grams))
+
+    @property
+    def active(self) -> bool:
+        return any(self.mask)
+
+    def completes(self, tokens: Sequence[int]) -> bool:
+        """True when the last `ngram` of `tokens` are a run of private prompt tokens."""
+        return len(tokens) >= self.ngram and tuple(tokens[-self.ngram:]) in self._grams
+
+    def private_run(self, context: Sequence[int], path: Sequence[int]) -> int:
+        """How many leading tokens of the drafter's best path `path` to write locally: > 0 when the
+        path reproduces private text starting with its first token (an n-gram completed within
+        its first `ngram` tokens), then through the end of that run of completed n-grams."""
+        tail = list(context[-(self.ngram - 1):]) if self.ngram > 1 else []
+        seq = tail + list(path)
+        hits = [self.completes(seq[: len(tail) + i + 1]) for i in range(len(path))]
+        first = next((i for i, hit in enumerate(hits) if hit), None)
+        if first is None or first >= self.ngram:
+            return 0
+        end = first
+        while end + 1 < len(path) and hits[end + 1]:
+            end += 1
+        return end + 1
+
+    def prune(self, context: Sequence[int], proposal: Proposal) -> Proposal:
+        """Drop every node completing a private n-gram, its subtree, and its later siblings (a
+        sampled sibling set must stay a prefix of its drawing order for lossless verification)."""
+        tree = proposal.tree
+        tail = list(context[-(self.ngram - 1):]) if self.ngram > 1 else []
+        drop: set[int] = set()
+        for node in range(tree.size):
+            parent = tree.parents[node]
+            if parent in drop:
+                drop.add(node)
+                continue
+            path = []
+            n = node
+            while n != ROOT:
+                path.append(tree.tokens[n])
+                n = tree.parents[n]
+            if self.completes(tail + path[::-1]):
+                drop.add(node)
+                drop.update(s for s in range(node + 1, tree.size) if tree.parents[s] == parent)
+        if not drop:
+            return proposal
+        keep = [n for n in range(tree.size) if n not in drop]
+        index = {old: new for new, old in enumerate(keep)}
+        pruned = DraftTree(tuple(tree.tokens[n] for n in keep),
+                           tuple(ROOT if tree.parents[n] == ROOT else index[tree.parents[n]] for n in keep))
+        rows = {ROOT if r == ROOT else index[r]: row for r, row in proposal.draft_probs.items()
+                if r == ROOT or r in index}
+        return Proposal(pruned, rows)
+
+
+def best_path(proposal: Proposal) -> tuple[list[int], list]:
+    """The drafter's own continuation: from the root, each node's first child (siblings are
+    ordered by drafter probability when greedy, by drawing order when sampled, so this is the
+    drafter's greedy decode or one sample from it). Returns (tokens, the draft-probability row each
+    token was drawn from, None when greedy)."""
+    tree, tokens, rows = proposal.tree, [], []
+    parent = ROOT
+    while True:
+        child = next((n for n in range(tree.size) if tree.parents[n] == parent), None)
+        if child is None:
+            return tokens, rows
+        tokens.append(tree.tokens[child])
+        rows.append(proposal.draft_probs.get(parent))
+        parent = child
+
+
+def placeholder_token(tokenizer) -> int:
+    """The single token id the server sees for every private token."""
+    ids = tokenizer.encode(PLACEHOLDER_TEXT, add_special_tokens=False)
+    return int(ids[-1])
+
+
+def encode_private_chat(tokenizer, messages: list[dict]) -> tuple[list[int], list[bool]]:
+    """Render a chat whose message contents may hold `<private>` tags; return (prompt ids [P],
+    private mask [P]). A token is private when it overlaps a private character span (fast
+    tokenizers' offset mapping).
+
+    Raises:
+        ValueError: unmatched tags, or a tokenizer without offset mapping while tags are present.
+    """
+    spans_by_message, clean = [], []
+    for message in messages:
+        segments = parse_private_tags(message["content"])
+        spans, text = [], ""
+        for segment in segments:
+            if segment.private:
+                spans.append((len(text), len(text) + len(segment.text)))
+            text += segment.text
+        spans_by_message.append((text, spans))
+        clean.append({**message, "content": text})
+    rendered = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=False)
+    char_spans, cursor = [], 0
+    for text, spans in spans_by_message:  # locate each message's text in the rendered prompt
+        if not spans:
+            continue
+        at = rendered.index(text, cursor)
+        char_spans += [(at + a, at + b) for a, b in spans]
+        cursor = at + len(text)
+    enc = tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=bool(char_spans))
+    ids = list(enc["input_ids"])
+    mask = ([any(s < b and a < e for a, b in char_spans) for s, e in enc["offset_mapping"]] if char_spans
+            else [False] * len(ids))
+    if ids != encode_rendered(tokenizer, rendered)[-len(ids):] or not ids:
+        raise ValueError("the tokenizer renders this chat inconsistently; cannot place private spans")
+    prefix = len(encode_rendered(tokenizer, rendered)) - len(ids)  # BOS the template did not write
+    return encode_rendered(tokenizer, rendered), [False] * prefix + mask

@@ -1,0 +1,196 @@
+"""Offline continuation: the drafter writes alone while the link is down; back online the text is
+verified (heal: the final answer equals an uninterrupted greedy run) or kept; sessions lost to a
+server restart are re-opened; every token is delivered exactly once."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from splitspec.client.drafters import DraftModelDrafter, NgramDrafter
+from splitspec.client.loop import KEPT, OFFLINE, TARGET, OfflinePolicy, SpeculativeDecoder
+from splitspec.client.transport import RemoteVerifier
+from splitspec.client.verifier import LinkDown, LocalVerifier, SessionLost, VerifierSession
+from splitspec.server.runner import TargetRunner
+from splitspec.shared.config import TreeConfig
+from splitspec.shared.models import load_model
+
+from .conftest import reference_greedy
+
+N_NEW = 48
+FAST = OfflinePolicy(backoff_initial_s=0.01, backoff_max_s=0.05, final_wait_s=20)
+
+
+class FlakyVerifier(LocalVerifier):
+    """A local target whose link fails on chosen Verify calls (counted across sessions).
+
+    `fail`: call number -> "before" (the request never reached the server) or "after" (the server
+    ran it; the reply was lost), or "lost" (the server restarted: SessionLost). `down_probes`:
+    how many reconnect probes fail after each failure.
+    """
+
+    def __init__(self, runner, fail: dict[int, str], down_probes: int = 3) -> None:
+        super().__init__(runner)
+        self.fail, self.down_probes = dict(fail), down_probes
+        self.calls = 0
+        self.probes_left = 0
+        self.replays = 0
+
+    def open(self, prompt_ids, sampling, features):
+        session, opened = super().open(prompt_ids, sampling, features)
+        return _FlakySession(self, session), opened
+
+    def probe(self, timeout_s: float = 1.0) -> bool:
+        self.probes_left -= 1
+        return self.probes_left < 0
+
+
+class _FlakySession(VerifierSession):
+    def __init__(self, owner: FlakyVerifier, inner) -> None:
+        self.owner, self.inner = owner, inner
+        self.in_flight = None  # (args, result or None)
+
+    def verify(self, tree, draft_probs, forced_tokens=()):
+        assert self.in_flight is None, "a new step while one is unresolved"
+        self.owner.calls += 1
+        how = self.owner.fail.pop(self.owner.calls, None)
+        if how == "lost":
+            raise SessionLost("unknown or expired session")
+        if how is None:
+            return self.inner.verify(tree, draft_probs, forced_tokens)
+        result = self.inner.verify(tree, draft_probs, forced_tokens) if how == "after" else None
+        self.in_flight = ((tree, draft_probs, forced_tokens), result)
+        self.owner.probes_left = self.owner.down_probes
+        raise LinkDown("injected: link down")
+
+    def resume(self):
+        if self.in_flight is None:
+            return None
+        args, result = self.in_flight
+        self.in_flight = None
+        if result is not None:
+            self.owner.replays += 1
+            return result  # the server's record of a step it already ran
+        return self.inner.verify(*args)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class EventLog:
+    """Applies stream events to a copy of the answer, checking each token arrives exactly once."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.sources: list[str] = []
+        self.kinds: list[str] = []
+
+    def __call__(self, event) -> None:
+        self.kinds.append(event.kind)
+        if event.kind == "tokens":
+            assert event.start == len(self.tokens), "a token delivered twice or out of order"
+            self.tokens += event.tokens
+            self.sources += [event.source] * len(event.tokens)
+        elif event.kind == "retract":
+            assert 0 <= event.start < len(self.tokens)
+            del self.tokens[event.start:], self.sources[event.start:]
+        else:
+            span = range(event.start, event.start + event.count)
+            assert all(self.sources[i] == OFFLINE for i in span), "only offline tokens are confirmed or kept"
+            for i in span:
+                self.sources[i] = TARGET if event.kind == "verified" else KEPT
+
+
+@pytest.fixture(scope="module")
+def setup(stories, stories_path):
+    model, tokenizer, model_id = stories
+    prompt = tokenizer("Once upon a time, there was a little dog named Max. Max liked to")["input_ids"]
+    draft, _, _ = load_model(f"{stories_path}@layers=3")
+    return model, TargetRunner(model, tokenizer, model_id), prompt, reference_greedy(model, prompt, N_NEW), draft
+
+
+def _drafter(draft):
+    return DraftModelDrafter(draft, TreeConfig(depth=4, top_b=2, max_nodes=8))
+
+
+@pytest.mark.parametrize("fail", [{3: "after"}, {3: "before"}, {2: "after", 6: "before"}, {4: "lost"}])
+def test_heal_equals_uninterrupted_greedy(setup, fail):
+    model, runner, prompt, ref, draft = setup
+    verifier = FlakyVerifier(runner, fail)
+    log = EventLog()
+    gen = SpeculativeDecoder(verifier, _drafter(draft), FAST).generate(prompt, N_NEW, stop_on_eos=False,
+                                                                       on_event=log)
+    assert gen.tokens == ref
+    assert gen.verified and log.tokens == gen.tokens and log.sources == [TARGET] * N_NEW
+    if "lost" in fail.values():
+        assert gen.stats.reopened_sessions == 1
+    else:
+        assert gen.stats.disconnects == len(fail) and gen.stats.offline_tokens > 0
+        assert verifier.replays == sum(v == "after" for v in fail.values())
+
+
+def test_keep_leaves_offline_text_and_continues_from_it(setup):
+    model, runner, prompt, ref, draft = setup
+    log = EventLog()
+    policy = OfflinePolicy(on_reconnect="keep", backoff_initial_s=0.01, backoff_max_s=0.05)
+    verifier = FlakyVerifier(runner, {2: "before"}, down_probes=6)
+    gen = SpeculativeDecoder(verifier, _drafter(draft), policy).generate(prompt, N_NEW, stop_on_eos=False,
+                                                                         on_event=log)
+    assert log.tokens == gen.tokens and log.sources == gen.sources and len(gen.tokens) == N_NEW
+    assert "retract" not in log.kinds
+    first_kept = gen.sources.index(KEPT)  # the 3-layer drafter disagrees with the target quickly
+    assert gen.tokens[:first_kept] == ref[:first_kept]
+    last_kept = len(gen.sources) - 1 - gen.sources[::-1].index(KEPT)
+    tail = gen.tokens[last_kept + 1:]
+    assert tail and set(gen.sources[last_kept + 1:]) == {TARGET}
+    # after the kept text the target continues from it, exactly as greedy decoding would
+    assert tail == reference_greedy(model, prompt + gen.tokens[:last_kept + 1], len(tail))
+
+
+def test_disabled_offline_raises(setup):
+    model, runner, prompt, ref, draft = setup
+    decoder = SpeculativeDecoder(FlakyVerifier(runner, {2: "before"}), _drafter(draft), OfflinePolicy(enabled=False))
+    with pytest.raises(LinkDown):
+        decoder.generate(prompt, N_NEW, stop_on_eos=False)
+
+
+def test_drafter_that_cannot_write_alone_waits_for_the_link(setup):
+    model, runner, prompt, ref, draft = setup
+    verifier = FlakyVerifier(runner, {3: "after"}, down_probes=2)
+    gen = SpeculativeDecoder(verifier, NgramDrafter(), FAST).generate(prompt, N_NEW, stop_on_eos=False)
+    assert gen.tokens == ref and gen.stats.disconnects == 1
+
+
+def test_real_server_cut_and_restart(setup, serve):
+    """Over gRPC: the link is cut mid-answer (relay), then the server is replaced by a new one on
+    the same port (sessions gone). Greedy + heal: the answer equals the uninterrupted one."""
+    from splitspec.netsim import PRESETS, RelayThread
+
+    model, runner, prompt, ref, draft = setup
+    first = serve(runner)
+    with RelayThread(PRESETS["lan"], ("127.0.0.1", first.port)) as link:
+        verifier = RemoteVerifier(f"127.0.0.1:{link.port}", timeout_s=1.0)
+        state = {"cut": False, "restarted": False, "offline": 0}
+
+        def on_event(event):
+            if event.kind != "tokens":
+                return
+            if event.source == OFFLINE:
+                state["offline"] += len(event.tokens)
+            if not state["cut"] and event.start >= 10:
+                state["cut"] = True
+                link.cut()
+            elif state["cut"] and not state["restarted"] and state["offline"] >= 6:
+                state["restarted"] = True  # a new server on the same port, then the link returns
+                port = first.port
+                first.stop()
+                serve(runner, address=f"127.0.0.1:{port}")
+                threading.Timer(0.2, link.restore).start()
+
+        policy = OfflinePolicy(backoff_initial_s=0.05, backoff_max_s=0.3, final_wait_s=30)
+        gen = SpeculativeDecoder(verifier, _drafter(draft), policy).generate(prompt, N_NEW, stop_on_eos=False,
+                                                                             on_event=on_event)
+        verifier.close()
+    assert state["restarted"]
+    assert gen.tokens == ref and gen.verified
+    assert gen.stats.disconnects >= 1 and gen.stats.reopened_sessions >= 1

@@ -1,0 +1,189 @@
+"""Private spans: the server sees placeholders; a canary in a private span appears in no serialized
+outgoing message and in no TCP stream captured on loopback, even when the drafter reproduces it."""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import string
+import struct
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from splitspec.client.drafters import Drafter, NgramDrafter, Proposal
+from splitspec.client.loop import PRIVATE, TARGET, SpeculativeDecoder
+from splitspec.client.privacy import (PrivacyGuard, Segment, best_path, encode_private_chat, parse_private_tags,
+                                      placeholder_token)
+from splitspec.client.transport import RemoteVerifier
+from splitspec.server.runner import TargetRunner
+from splitspec.shared.tree import ROOT, DraftTree
+
+
+def test_parse_private_tags():
+    assert parse_private_tags("a <private>b c</private> d") == [Segment("a "), Segment("b c", True), Segment(" d")]
+    with pytest.raises(ValueError):
+        parse_private_tags("a <private>b")
+
+
+def test_guard_prune_and_private_run():
+    guard = PrivacyGuard((1, 10, 11, 12, 2), (False, True, True, True, False), placeholder=99, ngram=2)
+    # root -> 10 -> 11 (a private 2-gram) -> 12 ; root -> 5 ; 10's later sibling 7 dropped with it
+    tree = DraftTree((10, 5, 11, 12, 7), (ROOT, ROOT, 0, 2, 0))
+    pruned = guard.prune([1, 3], Proposal(tree))
+    assert pruned.tree.tokens == (10, 5) and pruned.tree.parents == (ROOT, ROOT)
+    assert guard.private_run([1, 3], [10, 11, 12, 4]) == 3  # the drafter reproduces the span: write it here
+    assert guard.private_run([1, 3], [4, 10, 11]) == 0  # private text later in the path: prune instead
+    assert guard.private_run([1, 10], [11, 4]) == 1  # the run started in the context
+    strict = PrivacyGuard((1, 10, 2), (False, True, False), placeholder=99, ngram=1)
+    assert strict.private_run([1], [10, 4]) == 1
+
+
+def test_encode_private_chat_marks_the_span(stories):
+    _, tokenizer, _ = stories
+    ids, mask = encode_private_chat(tokenizer, [{"role": "user", "content": "My code is <private>zqx 4417</private>."}])
+    private_text = tokenizer.decode([t for t, m in zip(ids, mask) if m])
+    assert "zqx" in private_text and "4417" in private_text and "code" not in private_text
+    plain, plain_mask = encode_private_chat(tokenizer, [{"role": "user", "content": "My code is zqx 4417."}])
+    assert plain == ids and not any(plain_mask)  # tags change nothing but the mask
+
+
+class LeakyDrafter(Drafter):
+    """Always proposes the secret as its best path next to a harmless branch: the worst case."""
+
+    name = "leaky"
+
+    def __init__(self, secret: list[int], other: int) -> None:
+        self.secret, self.other = secret, other
+
+    def reset(self, prompt_ids, features) -> None:
+        pass
+
+    def propose(self, context, limits, sampling) -> Proposal:
+        depth = min(len(self.secret), limits.max_depth)
+        if depth < 1:
+            return Proposal(DraftTree.empty())
+        return Proposal(DraftTree((*self.secret[:depth], self.other), (ROOT, *range(depth - 1), ROOT)))
+
+
+class Spy(grpc.UnaryUnaryClientInterceptor):
+    """Keeps the serialized bytes of every outgoing request."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bytes]] = []
+
+    def intercept_unary_unary(self, continuation, details, request):
+        self.sent.append((details.method, request.SerializeToString()))
+        return continuation(details, request)
+
+
+def _packed(ids: list[int]) -> bytes:
+    out = bytearray()
+    for value in ids:
+        while True:
+            byte, value = value & 0x7F, value >> 7
+            out.append(byte | (0x80 if value else 0))
+            if not value:
+                break
+    return bytes(out)
+
+
+def _contains_run(haystack: list[int], needle: list[int], n: int) -> bool:
+    grams = {tuple(needle[i:i + n]) for i in range(len(needle) - n + 1)}
+    return any(tuple(haystack[i:i + n]) in grams for i in range(len(haystack) - n + 1))
+
+
+def _tcp_streams(pcap: Path) -> dict[tuple, bytes]:
+    """Reassembled TCP payloads of a pcap (Ethernet or Linux cooked capture), per direction."""
+    data = pcap.read_bytes()
+    magic = struct.unpack("<I", data[:4])[0]
+    endian = "<" if magic in (0xA1B2C3D4, 0xA1B23C4D) else ">"
+    linktype = struct.unpack(endian + "I", data[20:24])[0]
+    segments: dict[tuple, dict[int, bytes]] = {}
+    offset = 24
+    while offset + 16 <= len(data):
+        incl = struct.unpack(endian + "I", data[offset + 8:offset + 12])[0]
+        frame = data[offset + 16:offset + 16 + incl]
+        offset += 16 + incl
+        ip = frame[14:] if linktype == 1 else frame[16:] if linktype == 113 else frame[4:] if linktype == 0 else frame
+        if len(ip) < 20 or ip[0] >> 4 != 4 or ip[9] != 6:
+            continue
+        ihl = (ip[0] & 0xF) * 4
+        total = struct.unpack(">H", ip[2:4])[0]
+        tcp = ip[ihl:total]
+        sport, dport, seq = struct.unpack(">HHI", tcp[:8])
+        payload = tcp[(tcp[12] >> 4) * 4:]
+        if payload:
+            segments.setdefault((sport, dport), {})[seq] = payload
+    return {key: b"".join(p for _, p in sorted(parts.items())) for key, parts in segments.items()}
+
+
+def _start_capture(path: Path, port: int):
+    if shutil.which("tcpdump") is None and os.geteuid() == 0 and shutil.which("apt-get"):
+        subprocess.run(["apt-get", "install", "-y", "-qq", "tcpdump"], capture_output=True, timeout=300,
+                       env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+    if shutil.which("tcpdump") is None or os.geteuid() != 0:
+        return None
+    proc = subprocess.Popen(["tcpdump", "-i", "lo", "-U", "-s", "0", "-w", str(path), f"tcp port {port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 10
+    while time.time() < deadline and not path.exists():  # tcpdump writes the header once listening
+        time.sleep(0.05)
+    time.sleep(0.3)
+    return proc
+
+
+@pytest.mark.parametrize("drafter_kind", ["leaky", "ngram"])
+def test_canary_never_leaves_the_device(stories, serve, drafter_kind):
+    model, tokenizer, model_id = stories
+    rng = random.Random(7)
+    canary = "".join(rng.choice(string.ascii_lowercase) for _ in range(10))
+    content = f"Please repeat my secret word exactly: <private>{canary}</private>. The secret word is"
+    ids, mask = encode_private_chat(tokenizer, [{"role": "user", "content": content}])
+    secret_ids = [t for t, m in zip(ids, mask) if m]
+    assert len(secret_ids) >= 3
+    guard = PrivacyGuard(tuple(ids), tuple(mask), placeholder_token(tokenizer))
+    server = serve(TargetRunner(model, tokenizer, model_id))
+    capture = _start_capture(pcap := Path(tempfile.mkdtemp()) / "lo.pcap", server.port)
+    spy = Spy()
+    verifier = RemoteVerifier(server.address)
+    verifier.channel = grpc.intercept_channel(verifier.channel, spy)
+    from splitspec.v1 import verify_pb2_grpc as pb_grpc
+
+    verifier.stub = pb_grpc.VerifyServiceStub(verifier.channel)
+    drafter = LeakyDrafter(secret_ids, other=ids[-1]) if drafter_kind == "leaky" else NgramDrafter()
+    gen = SpeculativeDecoder(verifier, drafter).generate(ids, 24, stop_on_eos=False, privacy=guard)
+    verifier.close()
+    if drafter_kind == "leaky":  # the drafter reproduced the secret: written here, marked private
+        assert gen.stats.private_tokens >= len(secret_ids) and PRIVATE in gen.sources
+        assert canary in tokenizer.decode(gen.tokens)
+    assert set(gen.sources) <= {TARGET, PRIVATE}
+
+    from splitspec.v1 import verify_pb2 as pb
+
+    assert spy.sent
+    for method, raw in spy.sent:
+        assert canary.encode() not in raw and _packed(secret_ids) not in raw
+        if method.endswith("OpenSession"):
+            msg = pb.OpenSessionRequest.FromString(raw)
+            assert not _contains_run(list(msg.prompt_ids), secret_ids, 2)
+            assert list(msg.prompt_ids).count(guard.placeholder) >= len(secret_ids)
+        elif method.endswith("Verify"):
+            msg = pb.VerifyRequest.FromString(raw)
+            sent = list(msg.forced_tokens) + list(msg.tree.tokens)
+            assert not _contains_run(list(msg.forced_tokens), secret_ids, 1)
+            assert not _contains_run(sent, secret_ids, 2)
+    if capture is None:
+        pytest.skip("tcpdump unavailable (needs root and the Debian package): message spy checked only")
+    time.sleep(0.3)
+    capture.send_signal(signal.SIGINT)
+    capture.wait(timeout=10)
+    streams = _tcp_streams(pcap)
+    assert streams, "the capture saw no TCP payload on the server's port"
+    for stream in streams.values():
+        assert canary.encode() not in stream and _packed(secret_ids) not in stream
