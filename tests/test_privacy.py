@@ -123,6 +123,18 @@ def _tcp_streams(pcap: Path) -> dict[tuple, bytes]:
     return {key: b"".join(p for _, p in sorted(parts.items())) for key, parts in segments.items()}
 
 
+def _wait_for_quiet(path: Path, quiet_s: float = 1.0, limit_s: float = 20.0) -> None:
+    """Until the capture file has stopped growing for `quiet_s` (tcpdump is slow on a loaded CPU)."""
+    deadline, size, since = time.time() + limit_s, -1, time.time()
+    while time.time() < deadline:
+        now = path.stat().st_size if path.exists() else 0
+        if now != size:
+            size, since = now, time.time()
+        elif now > 24 and time.time() - since >= quiet_s:
+            return
+        time.sleep(0.1)
+
+
 def _start_capture(path: Path, port: int):
     if shutil.which("tcpdump") is None and os.geteuid() == 0 and shutil.which("apt-get"):
         subprocess.run(["apt-get", "install", "-y", "-qq", "tcpdump"], capture_output=True, timeout=300,
@@ -180,7 +192,7 @@ def test_canary_never_leaves_the_device(stories, serve, drafter_kind):
             assert not _contains_run(sent, secret_ids, 2)
     if capture is None:
         pytest.skip("tcpdump unavailable (needs root and the Debian package): message spy checked only")
-    time.sleep(0.3)
+    _wait_for_quiet(pcap)  # SIGINT drops packets tcpdump has not read yet: let it catch up first
     capture.send_signal(signal.SIGINT)
     capture.wait(timeout=10)
     streams = _tcp_streams(pcap)

@@ -103,10 +103,14 @@ class MoARuntime(Drafter):
         pending = len(context) - 1
         if self.verified > pending:
             raise RuntimeError(f"{self.verified} positions verified but the pending token is at {pending}")
-        start = kv.cache_length(self.sa_cache)
+        # rows still to run through the TLI layers need their SA/CA outputs; the pending row is always
+        # run (a proposal after a failed Verify sees the same context as the one before it)
         tli_len = kv.cache_length(self.tli_cache, self.parts.first_tli_layer) if self.tli else pending
-        start = min(start, tli_len)  # rows still to run through the TLI layers need their SA/CA outputs
+        tli_len = min(tli_len, pending)
+        start = min(kv.cache_length(self.sa_cache), tli_len)
         kv.truncate(self.sa_cache, start)
+        if self.tli:
+            kv.truncate(self.tli_cache, tli_len, layer=self.parts.first_tli_layer)
         new = list(context[start:])
         positions = torch.arange(start, len(context))[None]
         sa_mask = torch.zeros(1, 1, len(new), len(context), dtype=self.dtype)
