@@ -147,7 +147,9 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-top-b", type=int, default=TreeConfig.top_b)
     p.add_argument("--tree-nodes", type=int, default=TreeConfig.max_nodes)
     p.add_argument("--system", default=None, help="system prompt (chat template)")
-    p.add_argument("--timeout", type=float, default=60.0, help="deadline of each server call, s")
+    p.add_argument("--timeout", type=float, default=60.0, help="deadline of Info and OpenSession calls, s")
+    p.add_argument("--step-timeout", type=float, default=10.0,
+                   help="deadline of each Verify step, s; missing it continues offline")
     p.add_argument("--connect-timeout", type=float, default=10.0, help="wait for the server, s")
     p.add_argument("--on-reconnect", default="heal", choices=["heal", "keep"],
                    help="offline text the target rejects: replace it with the target's continuation, or keep it")
@@ -281,7 +283,7 @@ def build_client(args) -> ClientSetup:
         from .transport import RemoteVerifier, load_client_security
 
         tokenizer = load_tokenizer(args.target)
-        verifier = RemoteVerifier(args.server, args.timeout, args.connect_timeout,
+        verifier = RemoteVerifier(args.server, args.timeout, args.connect_timeout, step_timeout_s=args.step_timeout,
                                   **load_client_security(args.auth_token_file, args.tls_ca, args.tls_cert, args.tls_key))
         mode = f"split via {args.server}"
         if tokenizer_fingerprint(tokenizer) != verifier.info.tokenizer_fingerprint:

@@ -131,8 +131,9 @@ def load_client_security(token_file: str | None = None, tls_ca: str | None = Non
 
 
 class RemoteVerifier(Verifier):
-    """Connects to `address` (HOST:PORT) and reads the server's Info. `timeout_s` is every call's
-    deadline, `connect_timeout_s` the wait for the first connection. `token`: bearer token;
+    """Connects to `address` (HOST:PORT) and reads the server's Info. `timeout_s` is the deadline of
+    Info and OpenSession (a prefill), `step_timeout_s` that of each Verify step (missing it sends
+    the client offline: keep it short), `connect_timeout_s` the wait for the first connection. `token`: bearer token;
     `tls_ca`, `client_cert`, `client_key`: PEM bytes for TLS / mTLS (see `make_channel`);
     `options`: gRPC channel arguments (`channel_options(...)`, default CHANNEL_OPTIONS).
 
@@ -145,9 +146,10 @@ class RemoteVerifier(Verifier):
 
     def __init__(self, address: str, timeout_s: float = 60.0, connect_timeout_s: float = 10.0,
                  token: str | None = None, tls_ca: bytes | None = None, client_cert: bytes | None = None,
-                 client_key: bytes | None = None, options=None) -> None:
+                 client_key: bytes | None = None, options=None, step_timeout_s: float = 10.0) -> None:
         self.address = address
         self.timeout_s = timeout_s
+        self.step_timeout_s = step_timeout_s
         self.channel = make_channel(address, CHANNEL_OPTIONS if options is None else options, token=token,
                                     tls_ca=tls_ca, client_cert=client_cert, client_key=client_key)
         self.stub = pb_grpc.VerifyServiceStub(self.channel)
@@ -209,7 +211,7 @@ class _RemoteSession(VerifierSession):
         return self._send() if self.in_flight is not None else None
 
     def _send(self) -> StepResult:
-        reply, stats = _call(self.verifier.stub.Verify, self.in_flight, self.verifier.timeout_s)
+        reply, stats = _call(self.verifier.stub.Verify, self.in_flight, self.verifier.step_timeout_s)
         self.in_flight = None
         self.step += 1
         return StepResult(tuple(reply.accepted_tokens), reply.bonus_token, reply.bonus_recovered,

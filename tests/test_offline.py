@@ -169,7 +169,7 @@ def test_real_server_cut_and_restart(setup, serve):
     model, runner, prompt, ref, draft = setup
     first = serve(runner)
     with RelayThread(PRESETS["lan"], ("127.0.0.1", first.port)) as link:
-        verifier = RemoteVerifier(f"127.0.0.1:{link.port}", timeout_s=1.0)
+        verifier = RemoteVerifier(f"127.0.0.1:{link.port}", timeout_s=30.0, step_timeout_s=1.0)
         state = {"cut": False, "restarted": False, "offline": 0}
 
         def on_event(event):
