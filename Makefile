@@ -28,7 +28,8 @@ proto: $(STAMP)
 	$(BIN)/python proto/generate.py
 
 bench: $(STAMP)
-	$(BIN)/splitspec bench --out out/bench
+	$(BIN)/splitspec bench --profiles lan,5g,4g --categories writing,math_reasoning,summarization,humaneval \
+		--max-new-tokens 48 --out out/bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info out .pytest_cache

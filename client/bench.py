@@ -1,53 +1,163 @@
 """`splitspec bench`: every method side by side in one run, so only same-run ratios are compared.
 
 For each prompt (Spec-Bench first turns by category, HumanEval problems) it runs, back to back:
-plain `generate()` on the target (the baseline), then each drafter in single-device mode, then
-each drafter in split mode against a verify service started as a separate process on loopback.
-Greedy decoding: every method must produce the baseline's tokens, and the run says if one did not.
-Both processes share this machine's cores; the figures are ratios against the baseline of the
-same run, never absolute claims.
+plain `generate()` on the target (single-device autoregressive, the baseline), the single-device
+reference methods (`--local-methods`), then, for every link profile (`--profiles`), each split
+method (`--methods`) against one verify service process reached through that profile's emulated
+link. Greedy decoding: every method must produce the baseline's tokens, and the run says if one
+did not. Client and server share this machine's cores, each with a pinned torch thread count; the
+figures are ratios within the run, never absolute claims. Metrics: client/bench_metrics.py;
+tables and plots: client/bench_report.py.
 """
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
+import platform
 import socket
-import statistics
 import subprocess
 import sys
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from splitspec.shared.models import DEFAULT_TARGET
 
-DEFAULT_METHODS = "none,ngram,draft-model:smollm2-135m@layers=8"
+from .bench_metrics import BASELINE, drafter_kind, token_gaps_ms
+
+DEFAULT_METHODS = "none,ngram,draft-model:smollm2-135m@layers=8,eagle2,moa,moa:tli=1"
+DEFAULT_LOCAL_METHODS = "moa"
+BACKENDS = ("relay",)
+WARMUP_TOKENS = 4
 
 
 def add_bench_parser(sub) -> None:
-    p = sub.add_parser("bench", help="measure methods side by side against plain generate()")
+    p = sub.add_parser("bench", help="measure methods side by side, single-device and split behind emulated links")
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--methods", default=DEFAULT_METHODS,
-                   help="comma-separated drafter names, each optionally with ;lsa=client|server and "
-                        ";quant=fp16|int8|fp8 (MoA feature options), e.g. 'moa;lsa=server;quant=int8'")
-    p.add_argument("--modes", default="local,split", help="local (single-device) and/or split")
+                   help="split-mode methods, comma-separated: drafter names ('none' = remote autoregressive, one "
+                        "call per token), each optionally with ;lsa=client|server and ;quant=fp16|int8|fp8 (MoA / "
+                        "EAGLE-2 feature options), e.g. 'moa;quant=int8'; '' for none")
+    p.add_argument("--local-methods", default=DEFAULT_LOCAL_METHODS,
+                   help="single-device reference methods (drafter names); plain generate() always runs; '' for none")
+    p.add_argument("--profiles", default="",
+                   help="link profiles for split mode, comma-separated presets (lan, wifi, 5g, 4g) or .toml files; "
+                        "empty: plain loopback, no emulation")
+    p.add_argument("--backend", default="relay", choices=BACKENDS, help="link emulation backend")
+    p.add_argument("--seed", type=int, default=0, help="seed of the link emulation and the drafters")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads in each process (client and server); default: half the CPUs, at least 1")
     p.add_argument("--datasets", default="spec_bench,humaneval")
+    p.add_argument("--categories", default="",
+                   help="keep only these Spec-Bench categories / 'humaneval', comma-separated (default: all)")
     p.add_argument("--limit", type=int, default=1, help="prompts per Spec-Bench category / HumanEval")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--spec-bench", default=None, help="path to Spec-Bench question.jsonl")
-    p.add_argument("--lsa-placement", default="client", choices=["client", "server"])
+    p.add_argument("--lsa-placement", default="server", choices=["client", "server"],
+                   help="MoA split default: server sends E values per token; client sends every layer's K/V")
     p.add_argument("--feature-quant", default="fp16", choices=["fp16", "int8", "fp8"])
-    p.add_argument("--out", default=None, help="write results.jsonl and table.md here")
+    p.add_argument("--goal-profile", default="4g", help="profile the goal lines are checked under")
+    p.add_argument("--out", default=None, help="write results.jsonl, table.md and PNG plots here")
     p.set_defaults(func=cmd_bench)
 
 
-def load_prompts(datasets: list[str], limit: int, spec_bench_path: str | None = None) -> list[dict]:
-    """[{dataset, category, id, text}], `limit` per Spec-Bench category and `limit` HumanEval problems.
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything a bench run needs, built from the command line in one place."""
+
+    target: str
+    methods: tuple[str, ...]  # split mode
+    local_methods: tuple[str, ...]  # single-device, besides generate()
+    profiles: tuple[str, ...]  # link profile specs; () = loopback without emulation
+    backend: str
+    seed: int
+    threads: int
+    datasets: tuple[str, ...]
+    categories: tuple[str, ...]  # () = all
+    limit: int
+    max_new_tokens: int
+    spec_bench: str | None
+    lsa_placement: str
+    feature_quant: str
+    goal_profile: str
+    out: Path | None
+
+    @classmethod
+    def from_args(cls, args) -> "BenchConfig":
+        """Raises ValueError: bad counts, unknown method options, options on single-device methods,
+        unknown link profiles; FileNotFoundError: a profile .toml that does not exist."""
+        threads = args.threads if args.threads is not None else max(1, (os.cpu_count() or 2) // 2)
+        if threads < 1 or args.limit < 1 or args.max_new_tokens < 1:
+            raise ValueError("--threads, --limit and --max-new-tokens must be >= 1")
+        cfg = cls(args.target, _csv(args.methods), _csv(args.local_methods), _csv(args.profiles), args.backend,
+                  args.seed, threads, _csv(args.datasets), _csv(args.categories), args.limit, args.max_new_tokens,
+                  args.spec_bench, args.lsa_placement, args.feature_quant, args.goal_profile,
+                  Path(args.out) if args.out else None)
+        for m in cfg.methods:
+            method_options(m, cfg.lsa_placement, cfg.feature_quant)
+        for m in cfg.local_methods:
+            if ";" in m:
+                raise ValueError(f"single-device method {m!r}: ;lsa= and ;quant= only exist with a server")
+        from splitspec.netsim import load_profile
+
+        for spec in cfg.profiles:
+            load_profile(spec)  # fail before any model is loaded
+        return cfg
+
+    def command(self) -> str:
+        """The command line that repeats this run (every option spelled out)."""
+        import shlex
+
+        opts = {"--target": self.target, "--methods": ",".join(self.methods),
+                "--local-methods": ",".join(self.local_methods), "--profiles": ",".join(self.profiles),
+                "--backend": self.backend, "--seed": self.seed, "--threads": self.threads,
+                "--datasets": ",".join(self.datasets), "--categories": ",".join(self.categories),
+                "--limit": self.limit, "--max-new-tokens": self.max_new_tokens, "--spec-bench": self.spec_bench,
+                "--lsa-placement": self.lsa_placement, "--feature-quant": self.feature_quant,
+                "--goal-profile": self.goal_profile, "--out": self.out}
+        words = ["splitspec", "bench"]
+        for flag, value in opts.items():
+            if value not in (None, ""):
+                words += [flag, str(value)]
+        return shlex.join(words)
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def method_options(method: str, lsa_default: str, quant_default: str) -> tuple[str, str, str]:
+    """'name;lsa=server;quant=int8' -> (drafter name, LSA placement, feature quantization).
+
+    Raises:
+        ValueError: an unknown option or value.
+    """
+    name, *options = method.split(";")
+    try:
+        opts = dict(o.split("=", 1) for o in options)
+    except ValueError:
+        raise ValueError(f"method options are key=value, got {method!r}") from None
+    unknown = set(opts) - {"lsa", "quant"}
+    if unknown:
+        raise ValueError(f"unknown method options {sorted(unknown)} in {method!r}; expected lsa= and quant=")
+    lsa, quant = opts.get("lsa", lsa_default), opts.get("quant", quant_default)
+    if lsa not in ("client", "server") or quant not in ("fp16", "int8", "fp8"):
+        raise ValueError(f"{method!r}: lsa must be client|server and quant fp16|int8|fp8")
+    return name, lsa, quant
+
+
+def load_prompts(datasets: list[str], limit: int, spec_bench_path: str | None = None,
+                 categories: tuple[str, ...] = ()) -> list[dict]:
+    """[{dataset, category, id, text}], `limit` per Spec-Bench category and `limit` HumanEval problems,
+    only from `categories` when given (Spec-Bench category names and 'humaneval').
 
     Raises:
         FileNotFoundError: Spec-Bench questions not found.
-        ValueError: an unknown dataset name.
+        ValueError: an unknown dataset name, or `categories` matching no prompt.
     """
     prompts = []
     for name in datasets:
@@ -70,6 +180,10 @@ def load_prompts(datasets: list[str], limit: int, spec_bench_path: str | None = 
                                     "text": "Complete this Python function.\n\n" + q["prompt"]})
         else:
             raise ValueError(f"unknown dataset {name!r}; expected spec_bench or humaneval")
+    if categories:
+        prompts = [p for p in prompts if p["category"] in categories]
+        if not prompts:
+            raise ValueError(f"no prompt in categories {', '.join(categories)}")
     return prompts
 
 
@@ -90,13 +204,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(target: str, port: int, timeout_s: float = 300.0, extra: list[str] = ()) -> subprocess.Popen:
-    """Start `splitspec serve` as a child process and wait until its health check says SERVING."""
+def start_server(target: str, port: int, timeout_s: float = 300.0, extra: list[str] = (),
+                 threads: int | None = None) -> subprocess.Popen:
+    """Start `splitspec serve` as a child process and wait until its health check says SERVING.
+    `threads` pins the server's torch threads (OMP_NUM_THREADS, read by torch at start-up).
+
+    Raises:
+        RuntimeError: the server exited or did not become healthy within `timeout_s`.
+    """
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     proc = subprocess.Popen([sys.executable, "-m", "splitspec.client.cli", "serve", "--target", target,
-                             "--port", str(port), *extra], stdout=subprocess.DEVNULL)
+                             "--port", str(port), *extra], stdout=subprocess.DEVNULL, env=env)
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -112,103 +233,235 @@ def start_server(target: str, port: int, timeout_s: float = 300.0, extra: list[s
     raise RuntimeError("server did not become healthy in time")
 
 
+@contextlib.contextmanager
+def open_link(backend: str, profile, upstream: tuple[str, int]) -> Iterator[str]:
+    """Put an emulated link with `profile` (a LinkProfile) in front of `upstream` (host, port) and
+    yield the HOST:PORT a client dials to cross it; the link is torn down on exit. The relay runs in
+    its own process, so the client's Python threads (drafting) cannot delay it.
+
+    Raises:
+        ValueError: a backend this bench cannot drive (tun and netem need the server inside a
+            network namespace: not wired yet).
+    """
+    if backend != "relay":
+        raise ValueError(f"link backend {backend!r} is not supported by bench; available: {', '.join(BACKENDS)}")
+    from splitspec.netsim.backends import RelayBackend
+
+    with RelayBackend(profile, listen_host=upstream[0], own_process=True) as link:
+        yield link.expose(upstream[1])
+
+
+@dataclass
+class Arm:
+    """One (mode, method, profile) combination, measured on every prompt."""
+
+    mode: str  # "local" | "split"
+    method: str
+    decoder: object  # SpeculativeDecoder
+    profile: str | None = None  # None single-device; "loopback" split without emulation
+    backend: str | None = None
+    link: dict | None = None  # the LinkProfile's fields
+    lsa: str | None = None  # MoA LSA placement
+    quant: str | None = None  # feature quantization (moa, eagle2 in split mode)
+
+    @property
+    def label(self) -> str:
+        return f"{self.mode} {self.method}" + (f" @{self.profile}" if self.profile else "")
+
+
+class ArrivalClock:
+    """Records when each token reaches the client. As `on_tokens` of SpeculativeDecoder it gets the
+    token ids of each commit; as a transformers streamer (`put`/`end`) it skips the first `put`,
+    which carries the prompt."""
+
+    def __init__(self, streamer: bool = False) -> None:
+        self.start = time.perf_counter()
+        self.arrivals: list[float] = []  # [N] perf_counter seconds
+        self._skip_prompt = streamer
+
+    def __call__(self, new_ids) -> None:
+        now = time.perf_counter()
+        self.arrivals.extend([now] * len(new_ids))
+
+    def put(self, value) -> None:
+        if self._skip_prompt:
+            self._skip_prompt = False
+            return
+        self(value.reshape(-1).tolist())
+
+    def end(self) -> None:
+        pass
+
+    def latencies(self) -> dict:
+        ttft, gaps = token_gaps_ms(self.start, self.arrivals)
+        return {"ttft_ms": round(ttft, 3), "itl_ms": [round(g, 3) for g in gaps]}
+
+
 def cmd_bench(args) -> None:
+    import torch
+
+    cfg = BenchConfig.from_args(args)
+    torch.set_num_threads(cfg.threads)
+    prompts = load_prompts(list(cfg.datasets), cfg.limit, cfg.spec_bench, cfg.categories)
+    from splitspec.shared.models import load_model
+
+    model, tokenizer, model_id = load_model(cfg.target)
+    meta = {"target": model_id, "commit": source_commit(), "machine": machine_description(cfg.threads),
+            "seed": cfg.seed, "threads": cfg.threads, "max_new_tokens": cfg.max_new_tokens}
+    with contextlib.ExitStack() as stack:
+        arms = build_arms(cfg, stack, model, tokenizer, model_id)
+        records = run_arms(cfg, prompts, arms, model, tokenizer, meta)
+    from .bench_report import render_markdown, write_plots
+
+    table = render_markdown(records, meta, cfg)
+    print(table)
+    if cfg.out:
+        cfg.out.mkdir(parents=True, exist_ok=True)
+        (cfg.out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        (cfg.out / "table.md").write_text(table + "\n")
+        for path in write_plots(records, cfg.out, list(_profile_names(records))):
+            print(f"wrote {path}", file=sys.stderr)
+
+
+def build_arms(cfg: BenchConfig, stack: contextlib.ExitStack, model, tokenizer, model_id) -> list[Arm]:
+    """The local arms, then one server process and, per profile, a link and the split arms.
+    Everything started is registered on `stack` for teardown."""
+    from splitspec.netsim import load_profile
+    from splitspec.server.runner import TargetRunner
+
+    from .cli import FEATURE_QUANT
+    from .drafters import make_drafter
+    from .loop import SpeculativeDecoder
+    from .transport import RemoteVerifier, load_client_security
+    from .verifier import LocalVerifier
+
+    local = LocalVerifier(TargetRunner(model, tokenizer, model_id))
+    fingerprint = local.info.tokenizer_fingerprint
+
+    def drafter(name: str, lsa: str, quant: str):
+        return make_drafter(name, target_fingerprint=fingerprint, target=cfg.target, target_model=model, seed=cfg.seed,
+                            lsa_placement=lsa, quantization=FEATURE_QUANT[quant])
+
+    arms = [Arm("local", m, SpeculativeDecoder(local, drafter(m, "client", "fp16"))) for m in cfg.local_methods]
+    if not cfg.methods:
+        return arms
+    options = {m: method_options(m, cfg.lsa_placement, cfg.feature_quant) for m in cfg.methods}
+    links = [(load_profile(spec).with_seed(cfg.seed), cfg.backend) for spec in cfg.profiles] or [(None, None)]
+    hosted = sorted({f"--lsa={name}" for name, lsa, _ in options.values() if lsa == "server" and drafter_kind(name) == "moa"})
+    port = free_port()
+    server = start_server(cfg.target, port, extra=hosted, threads=cfg.threads)
+    stack.callback(_stop, server)
+    drafters = {m: drafter(*options[m]) for m in cfg.methods}  # one per method, reset for every answer
+    for profile, backend in links:
+        address = stack.enter_context(open_link(backend, profile, ("127.0.0.1", port))) if profile else f"127.0.0.1:{port}"
+        verifier = RemoteVerifier(address, **load_client_security())  # $SPLITSPEC_AUTH_TOKEN if the server wants one
+        stack.callback(verifier.close)
+        for m in cfg.methods:
+            name, lsa, quant = options[m]
+            kind = drafter_kind(name)
+            arms.append(Arm("split", m, SpeculativeDecoder(verifier, drafters[m]),
+                            profile=profile.name if profile else "loopback", backend=backend,
+                            link=profile.to_dict() if profile else None, lsa=lsa if kind == "moa" else None,
+                            quant=quant if kind in ("moa", "eagle2") else None))
+    return arms
+
+
+def _stop(server: subprocess.Popen) -> None:
+    server.terminate()
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+
+
+def run_arms(cfg: BenchConfig, prompts: list[dict], arms: list[Arm], model, tokenizer, meta: dict) -> list[dict]:
+    """Warm every arm up once, then run generate() and every arm on each prompt in turn.
+    Returns one record per prompt x arm (generate() included); see client/bench_metrics.py."""
     import torch
     from tqdm import tqdm
 
-    from splitspec.server.runner import TargetRunner
-    from splitspec.shared.models import encode_chat, load_model
+    from splitspec.shared.models import encode_chat
 
-    from .drafters import make_drafter
-    from .loop import SpeculativeDecoder
-    from .transport import RemoteVerifier
-    from .verifier import LocalVerifier
+    eos = _eos(model, tokenizer)
+    warm = encode_chat(tokenizer, [{"role": "user", "content": "Hello."}])
 
-    methods = [m for m in args.methods.split(",") if m]
-    modes = [m for m in args.modes.split(",") if m]
-    prompts = load_prompts(args.datasets.split(","), args.limit, args.spec_bench)
-    model, tokenizer, model_id = load_model(args.target)
-    local = LocalVerifier(TargetRunner(model, tokenizer, model_id))
-    verifiers = {"local": local}
-    server = None
-    if "split" in modes:
-        port = free_port()
-        hosted = sorted({f"--lsa={_method_options(m, args)[0]}" for m in methods
-                         if _method_options(m, args)[1] == "server"})
-        server = start_server(args.target, port, extra=hosted)
-        verifiers["split"] = RemoteVerifier(f"127.0.0.1:{port}")
-    try:
-        from .cli import FEATURE_QUANT
+    def baseline(ids: list[int], max_new: int) -> tuple[list[int], dict]:
+        clock = ArrivalClock(streamer=True)
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, eos_token_id=eos,
+                             pad_token_id=eos[0], streamer=clock)[0, len(ids):].tolist()
+        elapsed = time.perf_counter() - clock.start
+        return out, {"new_tokens": len(out), "target_calls": len(out), "elapsed_s": round(elapsed, 4),
+                     "tokens_per_s": round(len(out) / elapsed, 3), "tau": 1.0, "server_ms": None,
+                     **clock.latencies()}
 
-        decoders = {}
-        for mode in modes:
-            for m in methods:
-                name, placement, quant = _method_options(m, args)
-                if mode == "local" and ";" in m:
-                    continue  # LSA placement and wire quantization only exist with a server
-                decoders[(mode, m)] = SpeculativeDecoder(verifiers[mode], make_drafter(
-                    name, target_fingerprint=local.info.tokenizer_fingerprint, target=args.target, target_model=model,
-                    lsa_placement=placement, quantization=FEATURE_QUANT[quant]))
-        rows = []
-        eos = list(local.info.eos_token_ids)
-        for prompt in tqdm(prompts, desc="bench", unit="prompt"):
+    baseline(warm, WARMUP_TOKENS)
+    for arm in arms:
+        arm.decoder.generate(warm, WARMUP_TOKENS)
+    records = []
+    with tqdm(total=len(prompts) * (1 + len(arms)), desc="bench", unit="answer", file=sys.stderr) as bar:
+        for prompt in prompts:
             ids = encode_chat(tokenizer, [{"role": "user", "content": prompt["text"]}])
-            tic = time.perf_counter()
-            ref = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=False,
-                                 eos_token_id=eos, pad_token_id=eos[0])[0, len(ids):].tolist()
-            base_s = time.perf_counter() - tic
-            rows.append({**_meta(prompt), "mode": "local", "method": "generate()", "new_tokens": len(ref),
-                         "elapsed_s": base_s, "tokens_per_s": len(ref) / base_s, "tau": 1.0, "exact": True})
-            for (mode, method), decoder in decoders.items():
-                gen = decoder.generate(ids, args.max_new_tokens)
-                rows.append({**_meta(prompt), "mode": mode, "method": method, **gen.stats.as_dict(),
-                             "exact": gen.tokens == ref})
-    finally:
-        if server is not None:
-            verifiers["split"].close()
-            server.terminate()
-            server.wait(timeout=30)
-    table = render_table(rows, model_id, args)
-    print(table)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        (out / "table.md").write_text(table + "\n")
+            bar.set_postfix_str(f"{prompt['category']} generate()")
+            ref, stats = baseline(ids, cfg.max_new_tokens)
+            records.append({**meta, **_prompt_fields(prompt, len(ids)), "mode": "local", "method": BASELINE,
+                            "profile": None, "backend": None, **stats, "exact": True})
+            bar.update()
+            for arm in arms:
+                bar.set_postfix_str(f"{prompt['category']} {arm.label}")
+                records.append({**meta, **_prompt_fields(prompt, len(ids)), **run_arm(arm, ids, cfg.max_new_tokens, ref)})
+                bar.update()
+    return records
 
 
-def _method_options(method: str, args) -> tuple[str, str, str]:
-    """'name;lsa=server;quant=int8' -> (name, lsa placement, feature quantization)."""
-    name, *options = method.split(";")
-    opts = dict(o.split("=", 1) for o in options)
-    unknown = set(opts) - {"lsa", "quant"}
-    if unknown:
-        raise ValueError(f"unknown method options {sorted(unknown)} in {method!r}; expected lsa= and quant=")
-    return name, opts.get("lsa", args.lsa_placement), opts.get("quant", args.feature_quant)
+def run_arm(arm: Arm, ids: list[int], max_new_tokens: int, reference: list[int]) -> dict:
+    """One answer of one arm: its stats, latencies and whether it equals `reference` [N]."""
+    clock = ArrivalClock()
+    gen = arm.decoder.generate(ids, max_new_tokens, on_tokens=clock)
+    s = gen.stats
+    return {"mode": arm.mode, "method": arm.method, "profile": arm.profile, "backend": arm.backend, "link": arm.link,
+            "lsa": arm.lsa, "quant": arm.quant, **s.as_dict(), "server_ms": round(s.server_ms, 3),
+            "server_forward_ms": round(sum(c.server_forward_ms for c in s.calls), 3), "rtt_ms": round(s.rtt_ms, 3),
+            "open_bytes_sent": s.calls[0].bytes_sent, "open_bytes_received": s.calls[0].bytes_received,
+            **clock.latencies(), "exact": gen.tokens == reference}
 
 
-def _meta(prompt: dict) -> dict:
-    return {"dataset": prompt["dataset"], "category": prompt["category"], "id": prompt["id"]}
+def _prompt_fields(prompt: dict, prompt_tokens: int) -> dict:
+    return {"dataset": prompt["dataset"], "category": prompt["category"], "id": prompt["id"],
+            "prompt_tokens": prompt_tokens}
 
 
-def render_table(rows: list[dict], model_id: str, args) -> str:
-    """Markdown: per (mode, method) totals over all prompts; speed-up = tokens/s over generate()'s."""
-    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
-    for r in rows:
-        groups[(r["mode"], r["method"])].append(r)
-    base = groups[("local", "generate()")]
-    base_tps = sum(r["new_tokens"] for r in base) / sum(r["elapsed_s"] for r in base)
-    lines = [f"target {model_id}, greedy, {len(base)} prompts, max {args.max_new_tokens} new tokens",
-             "", "| mode | method | tau | tokens/s | speed-up vs generate() | target calls/token | "
-             "bytes/token up | bytes/token down | exact |", "|---|---|---|---|---|---|---|---|---|"]
-    for (mode, method), rs in groups.items():
-        tokens = sum(r["new_tokens"] for r in rs)
-        tps = tokens / sum(r["elapsed_s"] for r in rs)
-        calls = sum(r.get("target_calls", r["new_tokens"]) for r in rs)
-        taus = [r["tau"] for r in rs if r["tau"] == r["tau"]]
-        up = sum(r.get("bytes_sent", 0) for r in rs) / tokens
-        down = sum(r.get("bytes_received", 0) for r in rs) / tokens
-        exact = sum(r["exact"] for r in rs)
-        lines.append(f"| {mode} | {method} | {statistics.mean(taus):.2f} | {tps:.1f} | {tps / base_tps:.2f}x | "
-                     f"{calls / tokens:.2f} | {up:.0f} | {down:.0f} | {exact}/{len(rs)} |")
-    return "\n".join(lines)
+def _eos(model, tokenizer) -> list[int]:
+    from splitspec.shared.models import eos_token_ids
+
+    return list(eos_token_ids(model, tokenizer))
+
+
+def _profile_names(records: list[dict]) -> Iterator[str]:
+    return iter(dict.fromkeys(r["profile"] for r in records if r["mode"] == "split"))
+
+
+def source_commit() -> str:
+    """The checkout's HEAD (12 hex digits), '-dirty' when tracked files differ; 'unknown' outside git."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, check=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("-dirty" if dirty else "")
+
+
+def machine_description(threads: int) -> str:
+    """CPU model, logical CPU count, OS, torch version and the pinned thread count."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return (f"{cpu}, {os.cpu_count()} logical CPUs, {platform.system()} {platform.release()}, "
+            f"torch {torch.__version__}, CPU inference, {threads} torch thread(s) per process")

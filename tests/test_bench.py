@@ -1,20 +1,208 @@
-"""The bench command end to end on stories260K: a real server process, every row exact."""
+"""The bench: metrics and report on synthetic records, then the command end to end on stories260K
+behind the emulated lan link (a real server process, every answer exact)."""
 from __future__ import annotations
 
 import json
+import math
 
-from splitspec.client.cli import main
+import pytest
+import torch
+
+from splitspec.client.bench import ArrivalClock, BenchConfig, method_options, open_link
+from splitspec.client.bench_metrics import (ALL, GroupKey, aggregate, feature_bytes, goals, quantile, speedup,
+                                            token_gaps_ms, vs_remote_ar, vs_single_device_ar)
+from splitspec.client.bench_report import PLOTS, client_server_table, render_markdown, write_plots
+from splitspec.client.cli import build_parser, main
+
+META = {"target": "tiny", "commit": "abc123", "machine": "test box", "seed": 0, "max_new_tokens": 8}
 
 
-def test_bench_small(stories_path, tmp_path, capsys):
-    code = main(["bench", "--target", str(stories_path), "--methods", "none,ngram", "--modes", "local,split",
-                 "--datasets", "humaneval", "--limit", "1", "--max-new-tokens", "12", "--out", str(tmp_path)])
+def record(mode, method, profile, category="writing", *, tokens=8, calls=8, elapsed=1.0, up=0, down=0,
+           open_up=0, open_down=0, server_ms=None, itl=(), quant=None, lsa=None, exact=True) -> dict:
+    return {**META, "mode": mode, "method": method, "profile": profile, "category": category, "id": category,
+            "new_tokens": tokens, "target_calls": calls, "elapsed_s": elapsed, "bytes_sent": up,
+            "bytes_received": down, "open_bytes_sent": open_up, "open_bytes_received": open_down, "server_ms": server_ms, "itl_ms": list(itl), "ttft_ms": 50.0,
+            "quant": quant, "lsa": lsa, "exact": exact, "backend": "relay" if mode == "split" else None}
+
+
+def synthetic_run(moa_elapsed: float = 0.4, moa_calls: int = 2) -> list[dict]:
+    """generate() and two profiles; on 4g remote AR does 8 tokens/s, eagle2 16, moa 8 / moa_elapsed."""
+    rows = [record("local", "generate()", None, elapsed=0.5), record("local", "moa", None, calls=3, elapsed=0.4)]
+    for profile, scale in (("lan", 0.5), ("4g", 1.0)):
+        rows += [record("split", "none", profile, elapsed=1.0 * scale, up=240, down=320, server_ms=400 * scale),
+                 record("split", "eagle2", profile, calls=4, elapsed=0.5 * scale, up=350 + 50, down=7000 + 2048,
+                        open_up=50, open_down=2048, server_ms=200 * scale, quant="fp16"),
+                 record("split", "moa", profile, calls=moa_calls, elapsed=moa_elapsed * scale, up=350 + 50,
+                        down=3500 + 2048, open_up=50, open_down=2048, server_ms=150 * scale, quant="fp16", lsa="server"),
+                 record("split", "moa;quant=int8", profile, calls=moa_calls, elapsed=moa_elapsed * scale, up=350 + 50,
+                        down=1750 + 1024, open_up=50, open_down=1024, server_ms=150 * scale, quant="int8",
+                        lsa="server")]
+    return rows
+
+
+# --- metrics -------------------------------------------------------------------------------------
+
+def test_token_gaps_ms_are_per_token_with_zeros_inside_a_commit():
+    # commits of 2, 3 and 1 tokens at 0.1 s, 0.3 s, 0.5 s after a start at 1.0 s
+    ttft, gaps = token_gaps_ms(1.0, [1.1, 1.1, 1.3, 1.3, 1.3, 1.5])
+    assert ttft == pytest.approx(100.0)
+    assert gaps == pytest.approx([0.0, 200.0, 0.0, 0.0, 200.0])
+    with pytest.raises(ValueError):
+        token_gaps_ms(0.0, [])
+    with pytest.raises(ValueError):
+        token_gaps_ms(0.0, [0.2, 0.1])
+    with pytest.raises(ValueError):
+        token_gaps_ms(1.0, [0.5])
+
+
+def test_quantile_interpolates_and_rejects_bad_q():
+    assert quantile([0.0, 10.0], 0.5) == pytest.approx(5.0)
+    assert quantile(range(101), 0.99) == pytest.approx(99.0)
+    assert quantile([0, 0, 0, 200], 0.5) == 0.0
+    assert math.isnan(quantile([], 0.5))
+    with pytest.raises(ValueError):
+        quantile([1.0], 1.5)
+
+
+def test_arrival_clock_skips_the_prompt_as_a_streamer_and_counts_every_token():
+    clock = ArrivalClock(streamer=True)
+    clock.put(torch.tensor([[1, 2, 3, 4]]))  # transformers first hands over the prompt
+    clock.put(torch.tensor([7]))
+    clock.put(torch.tensor([8]))
+    assert len(clock.arrivals) == 2
+    loop_clock = ArrivalClock()
+    loop_clock([5, 6, 7])
+    lat = loop_clock.latencies()
+    assert lat["itl_ms"] == [0.0, 0.0] and lat["ttft_ms"] >= 0
+
+
+def test_aggregate_pools_answers_per_group_and_over_categories():
+    rows = [record("split", "moa", "4g", "writing", tokens=10, calls=4, elapsed=2.0, up=100, down=1000,
+                   open_up=10, open_down=1000 - 9 * 80, server_ms=500.0, itl=[0, 0, 100, 300]),
+            record("split", "moa", "4g", "humaneval", tokens=6, calls=2, elapsed=1.0, up=60, down=600,
+                   open_up=10, open_down=600 - 5 * 80, server_ms=250.0, itl=[0, 200])]
+    groups = aggregate(rows)
+    g = groups[GroupKey("split", "moa", "4g", ALL)]
+    assert (g.answers, g.new_tokens, g.target_calls) == (2, 16, 6)
+    assert g.tokens_per_s == pytest.approx(16 / 3.0)
+    assert g.tau == pytest.approx((16 - 2) / (6 - 2))  # the open call verifies nothing
+    assert g.calls_per_token == pytest.approx(6 / 16)
+    # decoding phase: verify-call bytes over the 9 + 5 tokens the verify calls produced
+    assert (g.bytes_up_per_token, g.bytes_down_per_token) == pytest.approx((140 / 14, 80.0))
+    assert g.open_kib_down == pytest.approx((280 + 200) / 2 / 1024)
+    assert g.server_share == pytest.approx(0.25)
+    # pooled gaps sorted: 0 0 0 100 200 300; p99 sits at rank 4.95 -> 200 + 0.95 x 100
+    assert g.itl_p50_ms == pytest.approx(50.0) and g.itl_p99_ms == pytest.approx(295.0)
+    only_writing = groups[GroupKey("split", "moa", "4g", "writing")]
+    assert only_writing.tau == pytest.approx(3.0) and only_writing.answers == 1
+    assert math.isnan(aggregate([record("local", "generate()", None)])[GroupKey("local", "generate()", None, ALL)]
+                      .server_share)
+
+
+def test_speedups_compare_with_remote_ar_of_the_same_profile_and_with_generate():
+    groups = aggregate(synthetic_run())
+    moa_4g = GroupKey("split", "moa", "4g", ALL)
+    assert vs_remote_ar(moa_4g) == GroupKey("split", "none", "4g", ALL)
+    assert speedup(groups, moa_4g, vs_remote_ar(moa_4g)) == pytest.approx(2.5)
+    assert speedup(groups, moa_4g, vs_single_device_ar(moa_4g)) == pytest.approx(0.5 / 0.4)
+    assert math.isnan(speedup(groups, moa_4g, GroupKey("split", "none", "5g", ALL)))
+
+
+def test_goal_lines_say_met_or_missed_by_how_much():
+    lines = [g.line() for g in goals(aggregate(synthetic_run()), "4g")]
+    moa = [line for line in lines if line.startswith("moa ")]
+    assert moa[0].endswith("measured 2.50x -> met")  # vs remote AR: 20 / 8 tokens/s
+    assert moa[1].endswith("measured 1.25x -> missed by 17%")  # vs eagle2: 20 / 16, goal 1.5
+    assert moa[2].endswith("measured 0.25 -> met")  # 2 calls for 8 tokens
+    slow = [g for g in goals(aggregate(synthetic_run(moa_elapsed=2.0, moa_calls=4)), "4g") if g.text.startswith("moa ")]
+    assert [g.verdict() for g in slow] == ["missed by 75%", "missed by 83%", "missed by 67%"]
+    missing = goals(aggregate(synthetic_run()), "5g")
+    assert [g.verdict() for g in missing] == ["not measured"] * 3
+
+
+def test_feature_bytes_one_row_per_quantization():
+    rows = feature_bytes(synthetic_run(), "4g")
+    assert [(m, lsa, quant, g.bytes_up_per_token, g.bytes_down_per_token, g.open_kib_down) for m, lsa, quant, g in rows] \
+        == [("eagle2", "-", "fp16", 50.0, 1000.0, 2.0), ("moa", "server", "fp16", 50.0, 500.0, 2.0),
+            ("moa;quant=int8", "server", "int8", 50.0, 250.0, 1.0)]
+
+
+# --- report --------------------------------------------------------------------------------------
+
+def test_markdown_has_the_seed_table_shape_and_the_goals():
+    md = render_markdown(synthetic_run(), META)
+    table = client_server_table(aggregate(synthetic_run()), ["lan", "4g"]).splitlines()
+    header = table[2]
+    assert header.count("|") - 1 == 1 + 4 * 2
+    assert "lan tokens/s | lan tau | lan calls/token | lan vs remote AR" in header
+    body = [line for line in table[4:]]
+    assert [line.split("|")[1].strip() for line in body] == ["none (remote AR)", "eagle2", "moa", "moa;quant=int8"]
+    assert all(line.count("|") - 1 == 9 for line in body)
+    assert "| moa | 40.0 | 7.00 | 0.25 | 2.50x | 20.0 | 7.00 | 0.25 | 2.50x |" in table
+    assert "### Single-device reference" in md and "| generate() | 16.0 |" in md
+    assert "- moa split tokens/s vs remote AR (4g): goal >= 2x, measured 2.50x -> met" in md
+    assert "| moa;quant=int8 | server | int8 | 50 | 250 | 0.0 | 1.0 |" in md
+    assert "#### 4g: tokens/s by category" in md
+    with pytest.raises(ValueError, match="baseline"):
+        render_markdown([r for r in synthetic_run() if r["method"] != "generate()"], META)
+
+
+def test_plots_are_written_as_png(tmp_path):
+    paths = write_plots(synthetic_run(), tmp_path)
+    assert [p.name for p in paths] == list(PLOTS)
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+    assert write_plots([record("local", "generate()", None)], tmp_path / "none") == []
+
+
+# --- configuration -------------------------------------------------------------------------------
+
+def test_method_options_and_config_errors():
+    assert method_options("moa:tli=1;quant=int8", "server", "fp16") == ("moa:tli=1", "server", "int8")
+    assert method_options("eagle2", "client", "fp8") == ("eagle2", "client", "fp8")
+    for bad in ("moa;speed=2", "moa;quant=int4", "moa;lsa"):
+        with pytest.raises(ValueError):
+            method_options(bad, "server", "fp16")
+    parser = build_parser()
+    with pytest.raises(ValueError, match="single-device"):
+        BenchConfig.from_args(parser.parse_args(["bench", "--local-methods", "moa;quant=int8"]))
+    cfg = BenchConfig.from_args(parser.parse_args(["bench", "--profiles", "lan,4g", "--threads", "1"]))
+    assert cfg.profiles == ("lan", "4g") and "--profiles lan,4g" in cfg.command()
+    assert {"none", "ngram", "eagle2", "moa", "moa:tli=1"} <= set(cfg.methods) and cfg.local_methods == ("moa",)
+    assert any(m.startswith("draft-model:") for m in cfg.methods)
+    with pytest.raises(ValueError, match="backend"):
+        with open_link("carrier-pigeon", None, ("127.0.0.1", 1)):
+            pass
+
+
+def test_bench_refuses_bad_input_with_a_clear_error(capsys):
+    assert main(["bench", "--methods", "moa;colour=red"]) == 2
+    assert "unknown method options" in capsys.readouterr().err
+    assert main(["bench", "--profiles", "lan,6g"]) == 2
+    assert "unknown link profile '6g'" in capsys.readouterr().err
+
+
+# --- end to end ----------------------------------------------------------------------------------
+
+def test_bench_small_behind_lan_link(stories_path, tmp_path, capsys):
+    out = tmp_path / "bench"
+    code = main(["bench", "--target", str(stories_path), "--methods", "none,ngram", "--local-methods", "none",
+                 "--profiles", "lan", "--datasets", "humaneval", "--limit", "1", "--max-new-tokens", "8",
+                 "--threads", "1", "--out", str(out)])
     assert code == 0
-    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
-    assert {(r["mode"], r["method"]) for r in rows} == {("local", "generate()"), ("local", "none"), ("local", "ngram"),
-                                                        ("split", "none"), ("split", "ngram")}
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert {(r["mode"], r["method"], r["profile"]) for r in rows} == {
+        ("local", "generate()", None), ("local", "none", None), ("split", "none", "lan"), ("split", "ngram", "lan")}
     assert all(r["exact"] for r in rows)
-    table = (tmp_path / "table.md").read_text()
-    assert "| split | ngram |" in table and "speed-up vs generate()" in table
+    assert all(r["commit"] and r["machine"] and r["seed"] == 0 for r in rows)
     split_rows = [r for r in rows if r["mode"] == "split"]
-    assert all(r["bytes_sent"] > 0 and r["bytes_received"] > 0 for r in split_rows)
+    assert all(r["backend"] == "relay" and r["link"]["name"] == "lan" for r in split_rows)
+    assert all(r["bytes_sent"] > 0 and r["bytes_received"] > 0 and r["server_ms"] > 0 for r in split_rows)
+    assert all(len(r["itl_ms"]) == r["new_tokens"] - 1 for r in rows)
+    remote_ar = next(r for r in split_rows if r["method"] == "none")
+    assert remote_ar["target_calls"] == remote_ar["new_tokens"]  # one call per token
+    table = (out / "table.md").read_text()
+    assert "| lan tokens/s | lan tau | lan calls/token | lan vs remote AR |" in table
+    assert "| none (remote AR) |" in table and "### Goals" in table
+    assert sorted(p.name for p in out.glob("*.png")) == sorted(PLOTS)
+    assert "bench" in capsys.readouterr().err  # the progress bar

@@ -1,0 +1,270 @@
+"""Metrics of `splitspec bench`: from per-answer records to per-group figures, speed-ups and goals.
+
+A record is one answer (one prompt x method x profile), a flat dict as written to results.jsonl.
+The fields read here:
+
+    mode         "local" (single-device) or "split" (verify service behind the link)
+    method       drafter name with options, or "generate()" (plain transformers decoding)
+    profile      link profile name ("loopback" without emulation; None for single-device rows)
+    category     Spec-Bench category or "humaneval"
+    new_tokens   tokens generated (EOS included)
+    target_calls target forward passes the answer needed (open + verify calls; for generate(): one
+                 per token)
+    elapsed_s    client wall time of the whole answer, s
+    bytes_sent / bytes_received   serialized protobuf bytes up / down over all calls (0 single-device)
+    open_bytes_sent / open_bytes_received   the same for the open call alone (prompt ids up; first
+                 token and the prompt's features down)
+    server_ms    sum over calls of the server's own time (queue + forward), ms; None for generate()
+    itl_ms       per-token gaps, ms (see `token_gaps_ms`)
+    ttft_ms      time to the first token, ms
+
+Definitions (every figure pools an aggregate's answers, so long answers weigh more):
+
+    tokens/s         sum(new_tokens) / sum(elapsed_s)
+    tau              accept length, sum(new_tokens - 1) / sum(target_calls - 1): tokens per verify
+                     call (the first token comes from the open call, which verifies nothing)
+    calls/token      sum(target_calls) / sum(new_tokens)
+    bytes/token      decoding-phase bytes per token: verify-call bytes (all minus open) divided by the
+                     tokens the verify calls produced, sum(new_tokens - 1), each direction
+    open KiB         mean bytes of the open call per answer, each direction (grows with the prompt)
+    ITL p50/p99      quantiles (linear interpolation) of all per-token gaps
+    server share     sum(server_ms) / sum(elapsed_s): the fraction of the client's wall time the
+                     target spent computing (in single-device mode: the in-process target)
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+
+ALL = "all"  # the category of an aggregate over every category
+BASELINE = "generate()"  # single-device autoregressive decoding (transformers generate)
+REMOTE_AR = "none"  # split mode without drafting: one server call per token
+
+
+def token_gaps_ms(start_s: float, arrivals_s: Sequence[float]) -> tuple[float, list[float]]:
+    """Time to first token and the per-token inter-token latencies.
+
+    Args:
+        start_s: when the client asked for the answer (perf_counter seconds).
+        arrivals_s: [N] when each token reached the client, non-decreasing; the tokens of one
+            commit share the arrival time of that commit.
+    Returns:
+        (ttft_ms, gaps_ms) where gaps_ms [N - 1] holds arrival[i] - arrival[i - 1] for i >= 1: a
+        token committed together with the one before it has gap 0, so with tau tokens per commit
+        about (tau - 1) / tau of the gaps are zero and the p99 is the wait for the next commit.
+    Raises:
+        ValueError: no arrivals, or arrivals out of order or before the start.
+    """
+    if not arrivals_s:
+        raise ValueError("no token arrived")
+    if arrivals_s[0] < start_s or any(b < a for a, b in zip(arrivals_s, arrivals_s[1:])):
+        raise ValueError("arrival times must be non-decreasing and not before the start")
+    gaps = [(b - a) * 1e3 for a, b in zip(arrivals_s, arrivals_s[1:])]
+    return (arrivals_s[0] - start_s) * 1e3, gaps
+
+
+def quantile(values: Iterable[float], q: float) -> float:
+    """The q-quantile (0 <= q <= 1, linear interpolation between order statistics); NaN if empty.
+
+    Raises:
+        ValueError: q outside [0, 1].
+    """
+    if not 0 <= q <= 1:
+        raise ValueError(f"quantile q must be in [0, 1], got {q}")
+    data = np.fromiter(values, dtype=float)
+    return float(np.quantile(data, q)) if data.size else math.nan
+
+
+@dataclass(frozen=True)
+class GroupKey:
+    mode: str
+    method: str
+    profile: str | None
+    category: str
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    """Pooled figures of one (mode, method, profile, category) aggregate; see the module docstring."""
+
+    key: GroupKey
+    answers: int
+    exact: int  # answers token-equal to generate()'s
+    new_tokens: int
+    target_calls: int
+    elapsed_s: float
+    bytes_up: int  # all calls
+    bytes_down: int
+    open_up: int  # open calls only
+    open_down: int
+    server_ms: float | None  # None when the rows do not report it (generate())
+    itl_ms: tuple[float, ...]
+    ttft_ms: tuple[float, ...]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.elapsed_s if self.elapsed_s > 0 else math.nan
+
+    @property
+    def tau(self) -> float:
+        verify_calls = self.target_calls - self.answers
+        return (self.new_tokens - self.answers) / verify_calls if verify_calls > 0 else math.nan
+
+    @property
+    def calls_per_token(self) -> float:
+        return self.target_calls / self.new_tokens if self.new_tokens else math.nan
+
+    @property
+    def bytes_up_per_token(self) -> float:
+        return self._per_verify_token(self.bytes_up - self.open_up)
+
+    @property
+    def bytes_down_per_token(self) -> float:
+        return self._per_verify_token(self.bytes_down - self.open_down)
+
+    def _per_verify_token(self, nbytes: int) -> float:
+        tokens = self.new_tokens - self.answers  # the first token of each answer comes from the open call
+        return nbytes / tokens if tokens > 0 else math.nan
+
+    @property
+    def open_kib_up(self) -> float:
+        return self.open_up / self.answers / 1024
+
+    @property
+    def open_kib_down(self) -> float:
+        return self.open_down / self.answers / 1024
+
+    @property
+    def itl_p50_ms(self) -> float:
+        return quantile(self.itl_ms, 0.5)
+
+    @property
+    def itl_p99_ms(self) -> float:
+        return quantile(self.itl_ms, 0.99)
+
+    @property
+    def ttft_p50_ms(self) -> float:
+        return quantile(self.ttft_ms, 0.5)
+
+    @property
+    def server_share(self) -> float:
+        if self.server_ms is None or self.elapsed_s <= 0:
+            return math.nan
+        return self.server_ms / (self.elapsed_s * 1e3)
+
+
+def aggregate(records: Iterable[dict]) -> dict[GroupKey, GroupStats]:
+    """Group answers by (mode, method, profile, category), plus an ALL-category group per
+    (mode, method, profile). Keys keep the order in which they first appear.
+
+    Raises:
+        KeyError: a record lacks a required field (see the module docstring).
+    """
+    rows: dict[GroupKey, list[dict]] = defaultdict(list)
+    for r in records:
+        for category in (ALL, r["category"]):
+            rows[GroupKey(r["mode"], r["method"], r["profile"], category)].append(r)
+    return {key: _pool(key, rs) for key, rs in rows.items()}
+
+
+def _pool(key: GroupKey, rows: list[dict]) -> GroupStats:
+    server = [r.get("server_ms") for r in rows]
+    return GroupStats(
+        key=key, answers=len(rows), exact=sum(bool(r.get("exact", True)) for r in rows),
+        new_tokens=sum(r["new_tokens"] for r in rows), target_calls=sum(r["target_calls"] for r in rows),
+        elapsed_s=sum(r["elapsed_s"] for r in rows), bytes_up=sum(r.get("bytes_sent", 0) for r in rows),
+        bytes_down=sum(r.get("bytes_received", 0) for r in rows), open_up=sum(r.get("open_bytes_sent", 0) for r in rows),
+        open_down=sum(r.get("open_bytes_received", 0) for r in rows),
+        server_ms=None if any(s is None for s in server) else float(sum(server)),
+        itl_ms=tuple(g for r in rows for g in r.get("itl_ms", ())),
+        ttft_ms=tuple(r["ttft_ms"] for r in rows if r.get("ttft_ms") is not None))
+
+
+def speedup(groups: dict[GroupKey, GroupStats], key: GroupKey, reference: GroupKey) -> float:
+    """tokens/s of `key` over tokens/s of `reference`; NaN when either is missing."""
+    if key not in groups or reference not in groups:
+        return math.nan
+    return groups[key].tokens_per_s / groups[reference].tokens_per_s
+
+
+def vs_remote_ar(key: GroupKey) -> GroupKey:
+    """Split-mode no-drafting decoding (one call per token) under the same profile and category."""
+    return GroupKey("split", REMOTE_AR, key.profile, key.category)
+
+
+def vs_single_device_ar(key: GroupKey) -> GroupKey:
+    """Plain single-device generate() on the same category."""
+    return GroupKey("local", BASELINE, None, key.category)
+
+
+def drafter_kind(method: str) -> str:
+    """'moa:tli=1;lsa=server' -> 'moa'; 'draft-model:X' -> 'draft-model'."""
+    return method.split(";")[0].split(":")[0]
+
+
+@dataclass(frozen=True)
+class Goal:
+    """One goal line: `subject` measured against `bound` (`at_least` or at most)."""
+
+    text: str
+    measured: float
+    bound: float
+    at_least: bool
+    unit: str = "x"
+
+    @property
+    def met(self) -> bool | None:
+        if math.isnan(self.measured):
+            return None
+        return self.measured >= self.bound if self.at_least else self.measured <= self.bound
+
+    def verdict(self) -> str:
+        """'met', 'missed by N%' (the shortfall relative to the bound) or 'not measured'."""
+        if self.met is None:
+            return "not measured"
+        if self.met:
+            return "met"
+        shortfall = (self.bound - self.measured) / self.bound if self.at_least else (self.measured - self.bound) / self.bound
+        return f"missed by {100 * shortfall:.0f}%"
+
+    def line(self) -> str:
+        sign = ">=" if self.at_least else "<="
+        value = "n/a" if math.isnan(self.measured) else f"{self.measured:.2f}{self.unit}"
+        return f"{self.text}: goal {sign} {self.bound:g}{self.unit}, measured {value} -> {self.verdict()}"
+
+
+def goals(groups: dict[GroupKey, GroupStats], profile: str = "4g") -> list[Goal]:
+    """The issue's goals under `profile`, for every split MoA variant in the run.
+
+    moa tokens/s >= 2x remote autoregressive; >= 1.5x eagle2 (the plain 'eagle2' method if run,
+    else the first eagle2 variant); server calls per generated token <= 0.3. Goals whose rows are
+    missing are returned as not measured (NaN).
+    """
+    split = [k for k in groups if k.mode == "split" and k.profile == profile and k.category == ALL]
+    moas = [k for k in split if drafter_kind(k.method) == "moa"] or [GroupKey("split", "moa", profile, ALL)]
+    eagles = [k for k in split if drafter_kind(k.method) == "eagle2"]
+    eagle = next((k for k in eagles if k.method == "eagle2"), eagles[0] if eagles else GroupKey("split", "eagle2", profile, ALL))
+    out = []
+    for moa in moas:
+        calls = groups[moa].calls_per_token if moa in groups else math.nan
+        out += [Goal(f"{moa.method} split tokens/s vs remote AR ({profile})",
+                     speedup(groups, moa, vs_remote_ar(moa)), 2.0, True),
+                Goal(f"{moa.method} split tokens/s vs {eagle.method} split ({profile})",
+                     speedup(groups, moa, eagle), 1.5, True),
+                Goal(f"{moa.method} server calls per generated token ({profile})", calls, 0.3, False, unit="")]
+    return out
+
+
+def feature_bytes(records: Iterable[dict], profile: str | None) -> list[tuple[str, str, str, GroupStats]]:
+    """[(method, LSA placement, feature quantization, pooled stats)] of the split rows under
+    `profile` whose drafter receives target features (records with a `quant` field: moa, eagle2),
+    in first-seen order; the stats give bytes/token each way and the open call's KiB.
+    """
+    chosen = [r for r in records if r["mode"] == "split" and r["profile"] == profile and r.get("quant")]
+    options = {r["method"]: (r.get("lsa") or "-", r["quant"]) for r in chosen}
+    groups = aggregate(chosen)
+    return [(m, lsa, quant, groups[GroupKey("split", m, profile, ALL)]) for m, (lsa, quant) in options.items()]
