@@ -98,3 +98,21 @@ def test_unreachable_server_is_a_clear_error(stories_path, capsys):
     code, _, err = _run(capsys, ["generate", "--server", f"127.0.0.1:{port}", "--target", str(stories_path),
                                  "--prompt", "hi", "--connect-timeout", "1"])
     assert code == 2 and "no verify service reachable" in err
+
+
+def test_text_stream_marks_offline_text_and_rewrites(stories):
+    """The chat shows offline text, confirmations and a rewrite after reconnection."""
+    from splitspec.client.cli import TextStream
+    from splitspec.client.loop import StreamEvent
+
+    _, tokenizer, _ = stories
+    out = io.StringIO()
+    stream = TextStream(tokenizer, out)
+    hello, world, there = (tokenizer.encode(w, add_special_tokens=False) for w in ("Hello", " world", " there"))
+    stream(StreamEvent("tokens", 0, tuple(hello)))
+    stream(StreamEvent("tokens", len(hello), tuple(world), source="offline"))
+    stream(StreamEvent("retract", len(hello)))
+    stream(StreamEvent("tokens", len(hello), tuple(there)))
+    text = out.getvalue()
+    assert text.startswith("Hello world") and "rewrote the offline text" in text and text.endswith(" there")
+    assert stream.ids == hello + there
