@@ -210,7 +210,7 @@ def test_greedy_equality_split(trained, chat_stories, serve, name):
 def test_offline_continuation_heals_to_greedy(trained, chat_stories, name):
     """The trained drafters write alone past the verified positions (TLI layers fed their own
     predicted K/V, EAGLE its own predicted features); healed on reconnection, the answer is exact."""
-    from .test_offline import FAST, FlakyVerifier
+    from .test_offline import FAST, OFFLINE, EventLog, FlakyVerifier
 
     model, tokenizer, model_id, _ = chat_stories
     kind, module, _ = load_checkpoint(trained[name][0])
@@ -219,7 +219,9 @@ def test_offline_continuation_heals_to_greedy(trained, chat_stories, name):
                if kind == "moa" else EagleRuntime(module, TargetParts(model, 0), tree))
     prompt = _prompt(tokenizer, "Tom had a big red ball. He")
     ref = reference_greedy(model, prompt, 50)
-    verifier = FlakyVerifier(TargetRunner(model, tokenizer, model_id), {3: "after", 9: "before"}, down_probes=4)
-    gen = SpeculativeDecoder(verifier, runtime, FAST).generate(prompt, 50, stop_on_eos=False)
+    log = EventLog()  # each time, the link returns once the drafter has written 5 tokens alone
+    verifier = FlakyVerifier(TargetRunner(model, tokenizer, model_id), {3: "after", 9: "before"}, down_probes=0,
+                             gate=lambda: log.sources.count(OFFLINE) >= 5)
+    gen = SpeculativeDecoder(verifier, runtime, FAST).generate(prompt, 50, stop_on_eos=False, on_event=log)
     assert gen.tokens == ref and gen.verified
     assert gen.stats.offline_tokens >= 8 and gen.stats.disconnects == 2

@@ -29,9 +29,10 @@ class FlakyVerifier(LocalVerifier):
     how many reconnect probes fail after each failure.
     """
 
-    def __init__(self, runner, fail: dict[int, str], down_probes: int = 3) -> None:
+    def __init__(self, runner, fail: dict[int, str], down_probes: int = 3, gate=None) -> None:
+        """`gate`: optional callable; the link stays down until it returns True as well."""
         super().__init__(runner)
-        self.fail, self.down_probes = dict(fail), down_probes
+        self.fail, self.down_probes, self.gate = dict(fail), down_probes, gate
         self.calls = 0
         self.probes_left = 0
         self.replays = 0
@@ -42,7 +43,7 @@ class FlakyVerifier(LocalVerifier):
 
     def probe(self, timeout_s: float = 1.0) -> bool:
         self.probes_left -= 1
-        return self.probes_left < 0
+        return self.probes_left < 0 and (self.gate is None or self.gate())
 
 
 class _FlakySession(VerifierSession):
@@ -116,8 +117,8 @@ def _drafter(draft):
 @pytest.mark.parametrize("fail", [{3: "after"}, {3: "before"}, {2: "after", 6: "before"}, {4: "lost"}])
 def test_heal_equals_uninterrupted_greedy(setup, fail):
     model, runner, prompt, ref, draft = setup
-    verifier = FlakyVerifier(runner, fail)
-    log = EventLog()
+    log = EventLog()  # the link returns only once the drafter has written 3 tokens alone
+    verifier = FlakyVerifier(runner, fail, gate=lambda: log.sources.count(OFFLINE) >= 3)
     gen = SpeculativeDecoder(verifier, _drafter(draft), FAST).generate(prompt, N_NEW, stop_on_eos=False,
                                                                        on_event=log)
     assert gen.tokens == ref
@@ -133,7 +134,8 @@ def test_keep_leaves_offline_text_and_continues_from_it(setup):
     model, runner, prompt, ref, draft = setup
     log = EventLog()
     policy = OfflinePolicy(on_reconnect="keep", backoff_initial_s=0.01, backoff_max_s=0.05)
-    verifier = FlakyVerifier(runner, {2: "before"}, down_probes=6)
+    # the link returns once 8 offline tokens exist, so kept text and a verified tail both fit the budget
+    verifier = FlakyVerifier(runner, {2: "before"}, down_probes=0, gate=lambda: log.sources.count(OFFLINE) >= 8)
     gen = SpeculativeDecoder(verifier, _drafter(draft), policy).generate(prompt, N_NEW, stop_on_eos=False,
                                                                          on_event=log)
     assert log.tokens == gen.tokens and log.sources == gen.sources and len(gen.tokens) == N_NEW
