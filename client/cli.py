@@ -81,10 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .bench import add_bench_parser
     from .demo import add_demo_parser
+    from .offline_eval import add_offline_eval_parser
     from splitspec.netsim.cli import add_netsim_parser
 
     add_bench_parser(sub)
     add_demo_parser(sub)
+    add_offline_eval_parser(sub)
     add_netsim_parser(sub)
     _add_train_parser(sub)
     return parser
