@@ -75,7 +75,8 @@ class OfflinePolicy:
     on_reconnect: "heal" (text after the first rejected offline token is replaced by the target's
       continuation) or "keep" (it stays as written).
     backoff_*: reconnect probes wait min(max, initial * 2**attempt) * U(0, 1) s (full jitter).
-    final_wait_s: with the answer complete but unverified, how long to wait for the link.
+    final_wait_s: how long to wait for the link when the answer is complete but unverified, or when
+      the drafter cannot write alone (then LinkDown is raised).
     """
 
     enabled: bool = True
@@ -186,7 +187,8 @@ class SpeculativeDecoder:
             The answer and its stats.
         Raises:
             ValueError: max_new_tokens < 1, an empty prompt, or a privacy guard for another prompt.
-            LinkDown: the server is unreachable at the start, or offline continuation is disabled.
+            LinkDown: the server is unreachable at the start, offline continuation is disabled, or the
+                drafter cannot write alone and the link stays down for `final_wait_s`.
             grpc.RpcError: a refusal from a remote verifier.
         """
         if max_new_tokens < 1 or not prompt_ids:
@@ -480,9 +482,10 @@ class _Run:
                              max_support=self.verifier.info.max_draft_support)
         proposal = self.drafter.propose(self.context, limits, self.sampling)
         path, rows = best_path(proposal)
-        if not path:  # a drafter that cannot write alone (none, or ngram without a match): wait
-            self.link_up.wait(self.policy.backoff_max_s)
-            return
+        if not path:  # a drafter that cannot write alone (none, or ngram without a match): wait, bounded
+            if not self.link_up.wait(self.policy.final_wait_s):
+                raise LinkDown(f"the verify service is unreachable and the {self.drafter.name} drafter cannot "
+                               f"write alone; gave up after {self.policy.final_wait_s:g} s")
         for token, row in zip(path, rows):
             private = self.privacy is not None and self.privacy.completes([*self.context, token])
             if not self.append([token], PRIVATE if private else OFFLINE, [row]) or self.finished():

@@ -196,3 +196,13 @@ def test_real_server_cut_and_restart(setup, serve):
     assert state["restarted"]
     assert gen.tokens == ref and gen.verified
     assert gen.stats.disconnects >= 1 and gen.stats.reopened_sessions >= 1
+
+
+def test_link_that_never_returns_with_a_drafter_that_cannot_write_alone(setup):
+    from splitspec.client.drafters import NoDrafter
+
+    model, runner, prompt, ref, draft = setup
+    verifier = FlakyVerifier(runner, {3: "before"}, gate=lambda: False)
+    policy = OfflinePolicy(backoff_initial_s=0.01, backoff_max_s=0.05, final_wait_s=0.5)
+    with pytest.raises(LinkDown, match="cannot write alone"):
+        SpeculativeDecoder(verifier, NoDrafter(), policy).generate(prompt, N_NEW, stop_on_eos=False)
