@@ -116,3 +116,11 @@ def test_text_stream_marks_offline_text_and_rewrites(stories):
     text = out.getvalue()
     assert text.startswith("Hello world") and "rewrote the offline text" in text and text.endswith(" there")
     assert stream.ids == hello + there
+
+
+def test_demo_runs_end_to_end(stories_path, capsys):
+    """`splitspec demo` (what `make demo` runs) on the tiny target: a server process, streamed answers."""
+    code, out, err = _run(capsys, ["demo", "--target", str(stories_path), "--drafter", "ngram", "--limit", "1",
+                                   "--max-new-tokens", "6"])
+    assert code == 0, err
+    assert out.count("===") == 3 and out.count("target calls") == 3
