@@ -31,6 +31,7 @@ import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from .namespaces import link_namespace_names, remove_netns
 from .profiles import LinkProfile
 from .relay import RelayProcess, RelayThread
 
@@ -188,6 +189,36 @@ class Link(abc.ABC):
         field, and the namespaces (None for the host's own)."""
         return {"backend": self.backend, "profile": self.profile.name, "seed": self.profile.seed,
                 "link": self.profile.to_dict(), "namespaces": self.namespaces}
+
+
+class NamespacedLink(Link):
+    """A link between two network namespaces of its own (the `tun` and `netem` backends): the server
+    side listens on `server_address` inside the server namespace. Subclasses create the namespaces
+    in `_start` (recording each in `_created`) and remove them with `_remove_namespaces`."""
+
+    server_address: str = ""
+
+    def __init__(self, profile: LinkProfile) -> None:
+        super().__init__(profile)
+        self.client_ns, self.server_ns = link_namespace_names()
+        self._created: list[str] = []
+
+    @property
+    def namespaces(self) -> dict[str, str | None]:
+        return {"client": self.client_ns, "server": self.server_ns}
+
+    @property
+    def server_host(self) -> str:
+        return self.server_address
+
+    def expose(self, port: int) -> str:
+        return f"{self.server_address}:{port}"
+
+    def _remove_namespaces(self) -> None:
+        """Remove the namespaces created so far (devices and qdiscs inside go with them)."""
+        for namespace in reversed(self._created):
+            remove_netns(namespace)
+        self._created.clear()
 
 
 def _check_side(side: str) -> str:

@@ -31,6 +31,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+from .control import answer
 from .profiles import LinkProfile
 
 MAX_PACKET = 65535
@@ -190,14 +191,7 @@ class PacketEmulator:
                     self._command(line.decode(errors="replace").strip())
 
     def _command(self, command: str) -> None:
-        if command in ("cut", "restore"):
-            self.set_cut(command == "cut")
-            reply = {"ok": command}
-        elif command == "stats":
-            reply = self.stats()
-        else:
-            reply = {"error": f"unknown command {command!r}"}
-        print(json.dumps(reply), flush=True)
+        print(answer(command, self.set_cut, self.stats), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,8 +22,8 @@ import math
 import shutil
 import subprocess
 
-from .backends import Link
-from .namespaces import create_netns, iproute_in, link_namespace_names, remove_netns, remove_stale_namespaces
+from .backends import NamespacedLink
+from .namespaces import create_netns, iproute_in, remove_stale_namespaces
 from .profiles import LinkProfile
 from .tun import disable_offloads
 
@@ -82,29 +82,17 @@ def netem_pyroute2_kwargs(profile: LinkProfile, cut: bool = False) -> dict:
     return kwargs
 
 
-class NetemBackend(Link):
+class NetemBackend(NamespacedLink):
     """Two namespaces joined by a veth pair with a netem qdisc on each end (root, sch_netem)."""
 
     backend = "netem"
+    server_address = SERVER_ADDRESS
 
     def __init__(self, profile: LinkProfile) -> None:
         super().__init__(profile)
-        self.client_ns, self.server_ns = link_namespace_names()
-        self._created: list[str] = []
         self.use_tc = shutil.which("tc") is not None
         if not self.use_tc:
             netem_pyroute2_kwargs(profile)  # refuse a distribution pyroute2 cannot set, before building
-
-    @property
-    def namespaces(self) -> dict[str, str | None]:
-        return {"client": self.client_ns, "server": self.server_ns}
-
-    @property
-    def server_host(self) -> str:
-        return SERVER_ADDRESS
-
-    def expose(self, port: int) -> str:
-        return f"{SERVER_ADDRESS}:{port}"
 
     def _ends(self) -> tuple[tuple[str, str, str], ...]:
         return ((self.client_ns, CLIENT_DEVICE, CLIENT_ADDRESS), (self.server_ns, SERVER_DEVICE, SERVER_ADDRESS))
@@ -140,9 +128,7 @@ class NetemBackend(Link):
             ipr.tc(action, "netem", index, **netem_pyroute2_kwargs(self.profile, cut))
 
     def _stop(self) -> None:
-        for namespace in reversed(self._created):  # the veth pair and its qdiscs go with them
-            remove_netns(namespace)
-        self._created.clear()
+        self._remove_namespaces()  # the veth pair and its qdiscs go with them
 
     def _set_cut(self, cut: bool) -> None:
         for namespace, device, _ in self._ends():

@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 
+from .control import answer, ask
 from .profiles import LinkProfile
 
 CHUNK = 64 * 1024
@@ -219,10 +220,7 @@ class RelayProcess:
         self._lock = threading.Lock()
 
     def _ask(self, command: str) -> dict:
-        with self._lock:
-            self.proc.stdin.write(command + "\n")
-            self.proc.stdin.flush()
-            return json.loads(self.proc.stdout.readline())
+        return ask(self.proc, self._lock, command)
 
     def cut(self) -> None:
         self._ask("cut")
@@ -264,16 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     relay = RelayThread(LinkProfile(**json.loads(args.profile)), args.upstream, args.listen)
     print(json.dumps({"port": relay.port}), flush=True)
+    set_cut = lambda cut: relay.cut() if cut else relay.restore()  # noqa: E731
     for line in sys.stdin:
-        command = line.strip()
-        if command in ("cut", "restore"):
-            relay.cut() if command == "cut" else relay.restore()
-            reply = {"ok": command}
-        elif command == "stats":
-            reply = relay.stats()
-        else:
-            reply = {"error": f"unknown command {command!r}"}
-        print(json.dumps(reply), flush=True)
+        print(answer(line.strip(), set_cut, relay.stats), flush=True)
     relay.stop()
     return 0
 

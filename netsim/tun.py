@@ -24,9 +24,9 @@ import struct
 import subprocess
 import sys
 
-from .backends import Link, _terminate
-from .namespaces import (create_netns, in_netns, iproute_in, link_namespace_names, remove_netns,
-                         remove_stale_namespaces, write_sysctl)
+from .backends import NamespacedLink, _terminate
+from .control import ask
+from .namespaces import create_netns, in_netns, iproute_in, remove_stale_namespaces, write_sysctl
 from .profiles import LinkProfile
 
 TUNSETIFF = 0x400454CA
@@ -87,27 +87,15 @@ def disable_offloads(namespace: str, ifname: str) -> list[str]:
     return changed
 
 
-class TunBackend(Link):
+class TunBackend(NamespacedLink):
     """Two namespaces with a TUN device each and the packet emulator between them (needs root)."""
 
     backend = "tun"
+    server_address = SERVER_ADDRESS
 
     def __init__(self, profile: LinkProfile) -> None:
         super().__init__(profile)
-        self.client_ns, self.server_ns = link_namespace_names()
         self.emulator: subprocess.Popen | None = None
-        self._created: list[str] = []
-
-    @property
-    def namespaces(self) -> dict[str, str | None]:
-        return {"client": self.client_ns, "server": self.server_ns}
-
-    @property
-    def server_host(self) -> str:
-        return SERVER_ADDRESS
-
-    def expose(self, port: int) -> str:
-        return f"{SERVER_ADDRESS}:{port}"
 
     def _start(self) -> None:
         remove_stale_namespaces()
@@ -136,17 +124,12 @@ class TunBackend(Link):
             _terminate(self.emulator, grace_s=2.0)
             self.emulator.stdout.close()
             self.emulator = None
-        for namespace in reversed(self._created):
-            remove_netns(namespace)
-        self._created.clear()
+        self._remove_namespaces()
 
     def _ask(self, command: str) -> dict:
         if self.emulator is None or self.emulator.poll() is not None:
             raise RuntimeError("the packet emulator is not running")
-        with self._lock:
-            self.emulator.stdin.write(command + "\n")
-            self.emulator.stdin.flush()
-            return json.loads(self.emulator.stdout.readline())
+        return ask(self.emulator, self._lock, command)
 
     def _set_cut(self, cut: bool) -> None:
         self._ask("cut" if cut else "restore")

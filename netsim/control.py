@@ -1,0 +1,35 @@
+"""The control channel of a link's child process (the relay process, the tun packet emulator).
+
+The parent writes one command per line on the child's stdin — `cut`, `restore` or `stats` — and
+reads one JSON line answering it from the child's stdout; EOF on stdin stops the child.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+from collections.abc import Callable
+
+
+def answer(command: str, set_cut: Callable[[bool], None], stats: Callable[[], dict]) -> str:
+    """The child's side: carry out one command line and return its JSON reply line (no newline)."""
+    if command in ("cut", "restore"):
+        set_cut(command == "cut")
+        reply = {"ok": command}
+    elif command == "stats":
+        reply = stats()
+    else:
+        reply = {"error": f"unknown command {command!r}"}
+    return json.dumps(reply)
+
+
+def ask(proc: subprocess.Popen, lock: threading.Lock, command: str) -> dict:
+    """The parent's side: send `command` to a child started with text pipes, return its reply.
+
+    Raises:
+        json.JSONDecodeError: the child answered something else (or exited: an empty line).
+    """
+    with lock:
+        proc.stdin.write(command + "\n")
+        proc.stdin.flush()
+        return json.loads(proc.stdout.readline())
