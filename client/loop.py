@@ -353,7 +353,7 @@ class _Run:
         self.stats.calls.append(opened.stats)
         self.stats.target_calls += 1
         self.drafter.reset(self.context[:upto], opened.features)
-        self._settle(upto, [opened.first_token], cached_end=upto)
+        self._settle(upto, [opened.first_token])
 
     def _reopen(self) -> None:
         """The server lost the session: open one with everything up to the first unverified token."""
@@ -407,11 +407,9 @@ class _Run:
         self._apply(len(forced), result)
 
     def _propose(self):
-        limits = DraftLimits(max_depth=min(self.budget - self.answer_len - 1, self.verifier.info.max_tree_depth),
-                             max_nodes=self.verifier.info.max_tree_nodes,
-                             max_support=self.verifier.info.max_draft_support)
         tic = time.perf_counter()
-        proposal = self.drafter.propose(self.context, limits, self.sampling)
+        # the tree's depth leaves room for the bonus token within the budget
+        proposal = self.drafter.propose(self.context, self._limits(self.budget - self.answer_len - 1), self.sampling)
         self.stats.draft_ms += (time.perf_counter() - tic) * 1e3
         if self.privacy is None:
             return proposal
@@ -421,6 +419,11 @@ class _Run:
             self.append(path[:n], PRIVATE)
             return None
         return self.privacy.prune(self.context, proposal)
+
+    def _limits(self, depth: int) -> DraftLimits:
+        info = self.verifier.info
+        return DraftLimits(max_depth=min(depth, info.max_tree_depth), max_nodes=info.max_tree_nodes,
+                           max_support=info.max_draft_support)
 
     def _record(self, result: StepResult) -> None:
         self.stats.calls.append(result.stats)
@@ -437,14 +440,14 @@ class _Run:
             return
         self.drafter.commit(result.new_tokens, result.features)
         self.server_cached, self.server_pending = cached_end, result.bonus_token
-        self._settle(first, facts, cached_end)
+        self._settle(first, facts)
 
     def _consistent(self, first: int, facts: list[int], cached_end: int) -> bool:
         """False when the server cached a token the client keeps otherwise (a diverging step that ran
         while offline, with keep or a private token there): only a fresh session can fix that."""
         for i, token in enumerate(facts):
             pos = first + i
-            if pos >= len(self.context) or self.context[pos] == token and self.sources[pos] != PRIVATE:
+            if pos >= len(self.context) or self._agrees(pos, token):
                 continue
             heal = self.sources[pos] == OFFLINE and self.policy.on_reconnect == "heal"
             if heal:
@@ -452,14 +455,19 @@ class _Run:
             return heal or pos >= cached_end
         return True
 
-    def _settle(self, first: int, facts: list[int], cached_end: int) -> None:
+    def _agrees(self, pos: int, token: int) -> bool:
+        """The answer holds the target's `token` at `pos` (a private token never counts as agreeing:
+        the server saw a placeholder there)."""
+        return self.context[pos] == token and self.sources[pos] != PRIVATE
+
+    def _settle(self, first: int, facts: list[int]) -> None:
         """Reconcile the target's tokens `facts` at positions first, first+1, ... with the answer."""
         for i, token in enumerate(facts):
             pos = first + i
             if pos >= len(self.context):
                 self.append(facts[i:], TARGET)
                 return
-            if self.context[pos] == token and self.sources[pos] != PRIVATE:
+            if self._agrees(pos, token):
                 if self.sources[pos] == OFFLINE:
                     self.relabel(pos, pos + 1, TARGET)
                 continue
@@ -477,10 +485,7 @@ class _Run:
 
     def _offline_chunk(self) -> None:
         """Write the drafter's own best path (one proposal's worth of tokens)."""
-        limits = DraftLimits(max_depth=min(self.budget - self.answer_len, self.verifier.info.max_tree_depth),
-                             max_nodes=self.verifier.info.max_tree_nodes,
-                             max_support=self.verifier.info.max_draft_support)
-        proposal = self.drafter.propose(self.context, limits, self.sampling)
+        proposal = self.drafter.propose(self.context, self._limits(self.budget - self.answer_len), self.sampling)
         path, rows = best_path(proposal)
         if not path:  # a drafter that cannot write alone (none, or ngram without a match): wait, bounded
             if not self.link_up.wait(self.policy.final_wait_s):

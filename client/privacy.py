@@ -90,11 +90,15 @@ class PrivacyGuard:
         """True when the last `ngram` of `tokens` are a run of private prompt tokens."""
         return len(tokens) >= self.ngram and tuple(tokens[-self.ngram:]) in self._grams
 
+    def _tail(self, context: Sequence[int]) -> list[int]:
+        """The committed tokens an n-gram ending in a draft's first token can start with."""
+        return list(context[-(self.ngram - 1):]) if self.ngram > 1 else []
+
     def private_run(self, context: Sequence[int], path: Sequence[int]) -> int:
         """How many leading tokens of the drafter's best path `path` to write locally: > 0 when the
         path reproduces private text starting with its first token (an n-gram completed within
         its first `ngram` tokens), then through the end of that run of completed n-grams."""
-        tail = list(context[-(self.ngram - 1):]) if self.ngram > 1 else []
+        tail = self._tail(context)
         seq = tail + list(path)
         hits = [self.completes(seq[: len(tail) + i + 1]) for i in range(len(path))]
         first = next((i for i, hit in enumerate(hits) if hit), None)
@@ -109,7 +113,7 @@ class PrivacyGuard:
         """Drop every node completing a private n-gram, its subtree, and its later siblings (a
         sampled sibling set must stay a prefix of its drawing order for lossless verification)."""
         tree = proposal.tree
-        tail = list(context[-(self.ngram - 1):]) if self.ngram > 1 else []
+        tail = self._tail(context)
         drop: set[int] = set()
         for node in range(tree.size):
             parent = tree.parents[node]
@@ -183,11 +187,12 @@ def encode_private_chat(tokenizer, messages: list[dict]) -> tuple[list[int], lis
         at = rendered.index(text, cursor)
         char_spans += [(at + a, at + b) for a, b in spans]
         cursor = at + len(text)
-    enc = tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=bool(char_spans))
+    full = encode_rendered(tokenizer, rendered)
+    if not char_spans:
+        return full, [False] * len(full)
+    enc = tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
-    mask = ([any(s < b and a < e for a, b in char_spans) for s, e in enc["offset_mapping"]] if char_spans
-            else [False] * len(ids))
-    if ids != encode_rendered(tokenizer, rendered)[-len(ids):] or not ids:
+    if not ids or ids != full[-len(ids):]:
         raise ValueError("the tokenizer renders this chat inconsistently; cannot place private spans")
-    prefix = len(encode_rendered(tokenizer, rendered)) - len(ids)  # BOS the template did not write
-    return encode_rendered(tokenizer, rendered), [False] * prefix + mask
+    mask = [any(s < b and a < e for a, b in char_spans) for s, e in enc["offset_mapping"]]
+    return full, [False] * (len(full) - len(ids)) + mask  # BOS the template did not write: public
