@@ -37,7 +37,8 @@ from .auth import BearerAuthInterceptor, TokenSet, client_identity, server_crede
 from .limits import KVBudget, RateLimiter, kv_bytes_per_token
 from .metrics import ServiceMetrics
 from .runner import TargetRunner, TargetSession
-from .validation import ServiceError, check_context, check_draft_probs, check_forced, check_open, check_tree
+from .validation import (ServiceError, check_context, check_draft_probs, check_forced, check_open, check_tree,
+                         step_positions)
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +238,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
             if not entry.session.sampling.greedy and request.HasField("draft_probs"):
                 draft_probs = check_draft_probs(request.draft_probs, tree, vocab_size=self.runner.vocab_size,
                                                 limits=self.limits)
-            reserved = self._reserve_step(entry, request.step, max(len(forced), 1) + tree.size)
+            reserved = self._reserve_step(entry, request.step, step_positions(tree, forced))
             try:
                 reply, _ = await self._run(self._verify_step, entry, request.step, tree, draft_probs, forced, arrived,
                                            reserved=reserved)
@@ -275,7 +276,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
             return entry.last_reply  # a retried step: same answer, no model work
         if step != session.step + 1:
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, f"step {step} out of order; expected {session.step + 1}")
-        check_context(cache_length(session.cache), tree.size + max(len(forced) - 1, 0), self.max_context)
+        check_context(cache_length(session.cache), step_positions(tree, forced), self.max_context)
         started = time.perf_counter()
         try:
             out = self.runner.verify(session, tree, draft_probs, forced)

@@ -103,11 +103,19 @@ def check_forced(request: pb.VerifyRequest, *, vocab_size: int, limits: ServerLi
     return forced
 
 
-def check_context(context_len: int, tree_size: int, max_context: int) -> None:
-    """The cached context, the pending token and the tree must fit the session's context."""
-    if context_len + 1 + tree_size > max_context:
+def check_context(context_len: int, new_positions: int, max_context: int) -> None:
+    """The cached context plus the positions a step's forward adds (its pending token or forced
+    tokens, and the tree; see `step_positions`) must fit the session's context."""
+    if context_len + new_positions > max_context:
         raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"context {context_len} + pending token + {tree_size} tree nodes exceeds {max_context}")
+                           f"context {context_len} + {new_positions} new positions (pending or forced tokens and "
+                           f"tree nodes) exceeds {max_context}")
+
+
+def step_positions(tree: DraftTree, forced: tuple[int, ...]) -> int:
+    """Positions one Verify forward adds to the cache at its peak: the forced tokens (or the pending
+    token) and every tree node."""
+    return max(len(forced), 1) + tree.size
 
 
 def check_draft_probs(msg: pb.DraftProbs, tree: DraftTree, *, vocab_size: int,
