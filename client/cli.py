@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 
 import grpc
 
+from splitspec.client.drafters import DEFAULT_DRAFT_VOCAB
 from splitspec.shared.config import ServerLimits, TreeConfig
 from splitspec.shared.models import DEFAULT_TARGET
 from splitspec.shared.sampling import SamplingParams
@@ -89,7 +90,30 @@ def build_parser() -> argparse.ArgumentParser:
     add_offline_eval_parser(sub)
     add_netsim_parser(sub)
     _add_train_parser(sub)
+    _add_draft_vocab_parser(sub)
     return parser
+
+
+def _add_draft_vocab_parser(sub) -> None:
+    p = sub.add_parser("draft-vocab", help="count the target's tokens in ShareGPT responses for the draft vocabulary")
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--data", default="sharegpt", choices=["sharegpt"])
+    p.add_argument("--max-len", type=int, default=2048, help="tokens counted per conversation")
+    p.add_argument("--limit", type=int, default=None, help="count only this many training conversations")
+    p.add_argument("--out", default=None, help="default: client/checkpoints/<target>/token_counts.safetensors")
+    p.set_defaults(func=cmd_draft_vocab)
+
+
+def cmd_draft_vocab(args) -> None:
+    from pathlib import Path
+
+    from splitspec.client.drafters import target_folder
+    from splitspec.shared.drafters.draft_vocab import COUNTS
+    from splitspec.train.vocab import make_counts
+
+    out = Path(args.out) if args.out else target_folder(args.target) / COUNTS
+    result = make_counts(args.target, out, max_len=args.max_len, limit=args.limit)
+    print(json.dumps({"out": str(out), **result}))
 
 
 def _add_train_parser(sub) -> None:
@@ -139,6 +163,9 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
                    help="MoA: run Layer Self-Attention here (server sends all layers' K/V) or on the server")
     p.add_argument("--feature-quant", default="fp16", choices=sorted(FEATURE_QUANT),
                    help="quantization of the features the server sends")
+    p.add_argument("--draft-vocab", type=int, default=-1,
+                   help="moa/eagle2: draft among the N most frequent tokens (FR-Spec); 0 = the full vocabulary; "
+                        f"default: {DEFAULT_DRAFT_VOCAB} when the target has shipped token counts")
     p.add_argument("--no-spec", action="store_true", help="baseline: one target call per token")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -296,7 +323,8 @@ def build_client(args) -> ClientSetup:
                            target_fingerprint=verifier.info.tokenizer_fingerprint, tree=tree,
                            device=args.device, dtype=args.dtype, seed=args.seed, target=args.target,
                            target_model=verifier.runner.model if args.local else None,
-                           lsa_placement=args.lsa_placement, quantization=FEATURE_QUANT[args.feature_quant])
+                           lsa_placement=args.lsa_placement, quantization=FEATURE_QUANT[args.feature_quant],
+                           draft_vocab=args.draft_vocab)
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     policy = OfflinePolicy(enabled=not args.no_offline, on_reconnect=args.on_reconnect)
     return ClientSetup(SpeculativeDecoder(verifier, drafter, policy), tokenizer, sampling, mode)

@@ -192,14 +192,25 @@ def test_quantized_features_keep_accept_length(trained, chat_stories, serve, qua
     assert abs(taus[quant] - taus[pb.QUANTIZATION_NONE]) <= 0.10 * taus[pb.QUANTIZATION_NONE], taus
 
 
-@pytest.mark.parametrize("name", ["moa0", "moa1", "eagle20"])
-def test_greedy_equality_split(trained, chat_stories, serve, name):
-    model, tokenizer, model_id, _ = chat_stories
+@pytest.mark.parametrize("name,draft_vocab", [("moa0", 0), ("moa1", 0), ("eagle20", 0), ("moa1", 96),
+                                               ("eagle20", 96)])
+def test_greedy_equality_split(trained, chat_stories, serve, name, draft_vocab):
+    """Lossless with each drafter, also when it drafts among the 96 most frequent tokens only."""
+    from splitspec.shared.drafters.draft_vocab import count_tokens
+
+    model, tokenizer, model_id, convs = chat_stories
     verifier = RemoteVerifier(serve(TargetRunner(model, tokenizer, model_id)).address)
     kind, module, _ = load_checkpoint(trained[name][0])
     tree = TreeConfig(depth=4, top_b=3, max_nodes=10)
-    runtime = (MoARuntime(module, TargetParts(model, module.config.tli), tree, quantization=pb.QUANTIZATION_INT8)
-               if kind == "moa" else EagleRuntime(module, TargetParts(model, 0), tree))
+    parts = TargetParts(model, module.config.tli if kind == "moa" else 0)
+    if draft_vocab:
+        from splitspec.train.data import tokenize_conversation
+
+        examples = [e for e in (tokenize_conversation(tokenizer, c, 512) for c in convs) if e]
+        counts = count_tokens(((e.input_ids, e.loss_mask) for e in examples), model.config.vocab_size)
+        parts.restrict_vocab(torch.sort(torch.sort(-counts, stable=True).indices[:draft_vocab]).values)
+    runtime = (MoARuntime(module, parts, tree, quantization=pb.QUANTIZATION_INT8)
+               if kind == "moa" else EagleRuntime(module, parts, tree))
     prompt = _prompt(tokenizer, "Tom had a big red ball. He")
     ref = reference_greedy(model, prompt, 50)
     gen = SpeculativeDecoder(verifier, runtime).generate(prompt, 50, stop_on_eos=False)

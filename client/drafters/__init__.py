@@ -5,6 +5,8 @@ one target call per token, the autoregressive baseline), `ngram` (prompt lookup)
 `draft-model:MODEL[@layers=N]` (an independent or early-exit causal LM), `moa[:tli=N | :PATH]`
 (Mixture of Attentions, seed 001) and `eagle2[:PATH]` (EAGLE-2 baseline);
 without a PATH the checkpoint shipped for the target is used (client/checkpoints/<target>/).
+moa and eagle2 draft among the target's `draft_vocab` most frequent tokens (FR-Spec; counts in
+client/checkpoints/<target>/token_counts.safetensors, see shared/drafters/draft_vocab.py).
 """
 from __future__ import annotations
 
@@ -40,12 +42,18 @@ class NoDrafter(Drafter):
 
 
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
+# -1: the default size when the target has token counts, else the full vocabulary; 0: full
+DEFAULT_DRAFT_VOCAB = 8192
+
+
+def target_folder(target: str) -> Path:
+    """client/checkpoints/<target alias or name> (slashes become --)."""
+    return CHECKPOINTS / ModelSpec.parse(target).source.replace("/", "--")
 
 
 def default_checkpoint(target: str, kind: str, tli: int = 0) -> Path:
     """client/checkpoints/<target alias or name>/<moa-tliN | eagle2>."""
-    folder = ModelSpec.parse(target).source.replace("/", "--")
-    return CHECKPOINTS / folder / (f"moa-tli{tli}" if kind == "moa" else kind)
+    return target_folder(target) / (f"moa-tli{tli}" if kind == "moa" else kind)
 
 
 def has_shipped_checkpoint(target: str | None, kind: str = "moa") -> bool:
@@ -65,16 +73,19 @@ def checkpoint_path(name: str, target: str) -> Path:
 def make_drafter(name: str, *, target_fingerprint: str, tree: TreeConfig = TreeConfig(),
                  device: str = "cpu", dtype: str = "float32", seed: int = 0, target: str | None = None,
                  target_model=None, lsa_placement: str = "client", quantization: int = pb.QUANTIZATION_NONE,
-                 ) -> Drafter:
+                 draft_vocab: int = -1) -> Drafter:
     """Build a drafter by name.
 
     Args:
         target / target_model: the target (name, and the loaded model if at hand) whose frozen
             parts the self-drafting drafters (moa, eagle2) reuse.
         lsa_placement, quantization: MoA feature options (see MoARuntime).
+        draft_vocab: moa/eagle2 draft among this many most frequent tokens; 0 = the full
+            vocabulary; -1 = DEFAULT_DRAFT_VOCAB when the target has shipped token counts, else full.
     Raises:
         ValueError: unknown drafter name.
         TokenizerMismatch: a drafter whose tokenizer fingerprint differs from the target's.
+        FileNotFoundError: draft_vocab > 0 for a target without token counts.
         CheckpointMismatch: a checkpoint trained for another target.
     """
     if name == "auto":  # the shipped MoA drafter for this target if there is one, else prompt lookup
@@ -82,7 +93,8 @@ def make_drafter(name: str, *, target_fingerprint: str, tree: TreeConfig = TreeC
     kind, _, arg = name.partition(":")
     if kind in ("moa", "eagle2"):
         return _self_drafter(kind, arg, target_fingerprint=target_fingerprint, tree=tree, seed=seed, target=target,
-                             target_model=target_model, lsa_placement=lsa_placement, quantization=quantization)
+                             target_model=target_model, lsa_placement=lsa_placement, quantization=quantization,
+                             draft_vocab=draft_vocab)
     if kind == "none":
         return NoDrafter()
     if kind == "ngram":
@@ -103,7 +115,7 @@ def make_drafter(name: str, *, target_fingerprint: str, tree: TreeConfig = TreeC
 
 
 def _self_drafter(kind: str, arg: str, *, target_fingerprint, tree, seed, target, target_model, lsa_placement,
-                  quantization) -> Drafter:
+                  quantization, draft_vocab) -> Drafter:
     from splitspec.shared.drafters.checkpoint import TargetIdentity, checkpoint_id, load_checkpoint
     from splitspec.shared.drafters.target_parts import TargetParts
 
@@ -124,13 +136,25 @@ def _self_drafter(kind: str, arg: str, *, target_fingerprint, tree, seed, target
         raise TokenizerMismatch(f"{target} tokenizes differently from the server's target")
     dtype = target_model.get_output_embeddings().weight.dtype
     _, module, meta = load_checkpoint(path, identity, dtype=dtype)
+    if meta["kind"] != kind:
+        raise ValueError(f"{path} holds a {meta['kind']} drafter, not {kind}")
+    parts = TargetParts(target_model, module.config.tli if kind == "moa" else 0)
+    parts.restrict_vocab(_draft_vocab_ids(target, draft_vocab, target_fingerprint))
     if kind == "eagle2":
-        if meta["kind"] != "eagle2":
-            raise ValueError(f"{path} holds a {meta['kind']} drafter, not eagle2")
-        return EagleRuntime(module, TargetParts(target_model, 0), tree, quantization=quantization, seed=seed)
-    if meta["kind"] != "moa":
-        raise ValueError(f"{path} holds a {meta['kind']} drafter, not moa")
-    parts = TargetParts(target_model, module.config.tli)
+        return EagleRuntime(module, parts, tree, quantization=quantization, seed=seed)
     lsa_id = checkpoint_id(path) if lsa_placement == "server" else ""
     return MoARuntime(module, parts, tree, lsa_placement=lsa_placement, lsa_id=lsa_id, quantization=quantization,
                       seed=seed)
+
+
+def _draft_vocab_ids(target: str, size: int, fingerprint: str):
+    """Token ids [N] for TargetParts.restrict_vocab, or None for the full vocabulary."""
+    from splitspec.shared.drafters.draft_vocab import COUNTS, load_draft_vocab
+
+    counts = target_folder(target) / COUNTS
+    if size == 0 or (size < 0 and not counts.exists()):
+        return None
+    if not counts.exists():
+        raise FileNotFoundError(f"no token counts for {target} ({counts}); make them with `splitspec draft-vocab` "
+                                "or pass --draft-vocab 0")
+    return load_draft_vocab(counts, DEFAULT_DRAFT_VOCAB if size < 0 else size, fingerprint)

@@ -85,9 +85,9 @@ class EagleRuntime(Drafter):
             out = self._run([pool[n].token for n in frontier], feats, node_positions, frontier_mask_)
             for n, f in zip(frontier, out):
                 node_feature[n] = f
-            return self.parts.lm_head(out).float()
+            return self.parts.head(out).float()
 
-        root_logits = self.parts.lm_head(root_feature).float()
+        root_logits = self.parts.head(root_feature).float()
         proposal = build_tree(root_logits, expand, self.tree, limits, sampling, self.generator)
         kv.truncate(self.cache, pending)
         return proposal

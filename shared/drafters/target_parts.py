@@ -25,7 +25,39 @@ class TargetParts(nn.Module):
         self.lm_head = model.get_output_embeddings()
         self.layers = nn.ModuleList(decoder.layers[layers - tli:]) if tli else nn.ModuleList()
         self.rotary = decoder.rotary_emb
+        self.draft_vocab: torch.Tensor | None = None  # ids [N] the drafter may propose; None = all
+        self._draft_weight: torch.Tensor | None = None
+        self._draft_bias: torch.Tensor | None = None
         self.requires_grad_(False)
+
+    def restrict_vocab(self, ids: torch.Tensor | None) -> None:
+        """Draft among `ids` [N] only (FR-Spec, see shared/drafters/draft_vocab.py); None restores
+        the full vocabulary. The LM head's rows for `ids` are copied once here.
+
+        Raises:
+            ValueError: ids empty, repeated or outside the vocabulary.
+        """
+        if ids is None:
+            self.draft_vocab = self._draft_weight = self._draft_bias = None
+            return
+        vocab = self.lm_head.weight.shape[0]
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.lm_head.weight.device)
+        if ids.ndim != 1 or not ids.numel() or ids.unique().numel() != ids.numel() \
+                or int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise ValueError(f"a draft vocabulary must be distinct ids in [0, {vocab})")
+        self.draft_vocab = ids
+        self._draft_weight = self.lm_head.weight[ids].clone()
+        bias = getattr(self.lm_head, "bias", None)
+        self._draft_bias = bias[ids].clone() if bias is not None else None
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Drafting logits [..., V] of final normed states [..., E]: the LM head, or with a draft
+        vocabulary its rows for those ids and -inf for every other token."""
+        if self.draft_vocab is None:
+            return self.lm_head(hidden)
+        kept = torch.nn.functional.linear(hidden, self._draft_weight, self._draft_bias)
+        logits = kept.new_full((*hidden.shape[:-1], self.lm_head.weight.shape[0]), float("-inf"))
+        return logits.index_copy_(-1, self.draft_vocab, kept)
 
     @property
     def first_tli_layer(self) -> int:
@@ -42,7 +74,7 @@ class TargetParts(nn.Module):
             positions, mask, cache: for the TLI layers: [B, T] positions, [B|1, 1, T, S] additive
                 mask, and a DynamicCache indexed by the original layer numbers.
         Returns:
-            (logits [B, T, V], final normed hidden [B, T, E])
+            (logits [B, T, V] (-inf outside a draft vocabulary), final normed hidden [B, T, E])
         """
         if self.tli:
             rope = self.rotary(hidden, positions)
@@ -50,4 +82,4 @@ class TargetParts(nn.Module):
                 hidden = layer(hidden, attention_mask=mask, position_ids=positions, past_key_values=cache,
                                use_cache=cache is not None, position_embeddings=rope)
             hidden = self.norm(hidden)
-        return (self.lm_head(hidden) if head else None), hidden
+        return (self.head(hidden) if head else None), hidden
