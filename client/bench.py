@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from splitspec.shared.config import TreeConfig
 from splitspec.shared.models import DEFAULT_TARGET
 
 from .bench_metrics import BASELINE, drafter_kind, token_gaps_ms
@@ -41,7 +42,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--methods", default=DEFAULT_METHODS,
                    help="split-mode methods, comma-separated: drafter names ('none' = remote autoregressive, one "
                         "call per token), each optionally with ;lsa=client|server and ;quant=fp16|int8|fp8 (MoA / "
-                        "EAGLE-2 feature options), e.g. 'moa;quant=int8'; '' for none")
+                        "EAGLE-2 feature options) and ;vocab=N (draft vocabulary, 0 = full), e.g. "
+                        "'moa;quant=int8'; '' for none")
     p.add_argument("--local-methods", default=DEFAULT_LOCAL_METHODS,
                    help="single-device reference methods (drafter names); plain generate() always runs; '' for none")
     p.add_argument("--profiles", default="",
@@ -100,8 +102,9 @@ class BenchConfig:
         for m in cfg.methods:
             method_options(m, cfg.lsa_placement, cfg.feature_quant)
         for m in cfg.local_methods:
-            if ";" in m:
+            if "lsa=" in m or "quant=" in m:  # vocab= and tree= are fine
                 raise ValueError(f"single-device method {m!r}: ;lsa= and ;quant= only exist with a server")
+            method_options(m, "client", "fp16")
         from splitspec.netsim import load_profile
 
         for spec in cfg.profiles:
@@ -130,8 +133,20 @@ def _csv(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
-def method_options(method: str, lsa_default: str, quant_default: str) -> tuple[str, str, str]:
-    """'name;lsa=server;quant=int8' -> (drafter name, LSA placement, feature quantization).
+@dataclass(frozen=True)
+class MethodOptions:
+    """One bench method spelled 'name;lsa=server;quant=int8;vocab=8192;tree=4x3x12'."""
+
+    name: str  # drafter name for make_drafter
+    lsa: str = "client"  # MoA LSA placement
+    quant: str = "fp16"  # feature quantization
+    vocab: int = -1  # draft vocabulary: -1 = the drafter's default, 0 = full
+    tree: TreeConfig = TreeConfig()  # depth x top-B x nodes
+
+
+def method_options(method: str, lsa_default: str, quant_default: str) -> MethodOptions:
+    """Parse a method and its options (lsa=client|server, quant=fp16|int8|fp8, vocab=N,
+    tree=DEPTHxTOPBxNODES), the defaults filling what it leaves out.
 
     Raises:
         ValueError: an unknown option or value.
@@ -141,13 +156,24 @@ def method_options(method: str, lsa_default: str, quant_default: str) -> tuple[s
         opts = dict(o.split("=", 1) for o in options)
     except ValueError:
         raise ValueError(f"method options are key=value, got {method!r}") from None
-    unknown = set(opts) - {"lsa", "quant"}
+    unknown = set(opts) - {"lsa", "quant", "vocab", "tree"}
     if unknown:
-        raise ValueError(f"unknown method options {sorted(unknown)} in {method!r}; expected lsa= and quant=")
+        raise ValueError(f"unknown method options {sorted(unknown)} in {method!r}; expected lsa=, quant=, vocab= "
+                         "and tree=")
     lsa, quant = opts.get("lsa", lsa_default), opts.get("quant", quant_default)
     if lsa not in ("client", "server") or quant not in ("fp16", "int8", "fp8"):
         raise ValueError(f"{method!r}: lsa must be client|server and quant fp16|int8|fp8")
-    return name, lsa, quant
+    try:
+        vocab = int(opts.get("vocab", -1))
+        tree = TreeConfig(*map(int, opts["tree"].split("x"))) if "tree" in opts else TreeConfig()
+        if "tree" in opts and len(opts["tree"].split("x")) != 3:
+            raise ValueError
+    except (ValueError, TypeError):
+        raise ValueError(f"{method!r}: vocab is an integer (0 = full vocabulary) and tree is DEPTHxTOPBxNODES, "
+                         "each >= 1") from None
+    if vocab < -1:
+        raise ValueError(f"{method!r}: vocab must be >= 0")
+    return MethodOptions(name, lsa, quant, vocab, tree)
 
 
 # the user turn of every HumanEval prompt (bench, demo, offline-eval)
@@ -363,31 +389,33 @@ def build_arms(cfg: BenchConfig, stack: contextlib.ExitStack, model, tokenizer, 
     local = LocalVerifier(TargetRunner(model, tokenizer, model_id))
     fingerprint = local.info.tokenizer_fingerprint
 
-    def drafter(name: str, lsa: str, quant: str):
-        return make_drafter(name, target_fingerprint=fingerprint, target=cfg.target, target_model=model, seed=cfg.seed,
-                            lsa_placement=lsa, quantization=FEATURE_QUANT[quant])
+    def drafter(o: MethodOptions):
+        return make_drafter(o.name, target_fingerprint=fingerprint, target=cfg.target, target_model=model,
+                            seed=cfg.seed, tree=o.tree, lsa_placement=o.lsa, quantization=FEATURE_QUANT[o.quant],
+                            draft_vocab=o.vocab)
 
-    arms = [Arm("local", m, SpeculativeDecoder(local, drafter(m, "client", "fp16"))) for m in cfg.local_methods]
+    arms = [Arm("local", m, SpeculativeDecoder(local, drafter(method_options(m, "client", "fp16"))))
+            for m in cfg.local_methods]
     if not cfg.methods:
         return arms
     options = {m: method_options(m, cfg.lsa_placement, cfg.feature_quant) for m in cfg.methods}
     links = [(load_profile(spec).with_seed(cfg.seed), cfg.backend) for spec in cfg.profiles] or [(None, None)]
-    hosted = sorted({f"--lsa={name}" for name, lsa, _ in options.values() if lsa == "server" and drafter_kind(name) == "moa"})
+    hosted = sorted({f"--lsa={o.name}" for o in options.values() if o.lsa == "server" and drafter_kind(o.name) == "moa"})
     port = free_port()
     server = start_server(cfg.target, port, extra=hosted, threads=cfg.threads)
     stack.callback(_stop, server)
-    drafters = {m: drafter(*options[m]) for m in cfg.methods}  # one per method, reset for every answer
+    drafters = {m: drafter(options[m]) for m in cfg.methods}  # one per method, reset for every answer
     for profile, backend in links:
         address = stack.enter_context(open_link(backend, profile, ("127.0.0.1", port))) if profile else f"127.0.0.1:{port}"
         verifier = RemoteVerifier(address, **load_client_security())  # $SPLITSPEC_AUTH_TOKEN if the server wants one
         stack.callback(verifier.close)
         for m in cfg.methods:
-            name, lsa, quant = options[m]
-            kind = drafter_kind(name)
+            o = options[m]
+            kind = drafter_kind(o.name)
             arms.append(Arm("split", m, SpeculativeDecoder(verifier, drafters[m]),
                             profile=profile.name if profile else "loopback", backend=backend,
-                            link=profile.to_dict() if profile else None, lsa=lsa if kind == "moa" else None,
-                            quant=quant if kind in ("moa", "eagle2") else None))
+                            link=profile.to_dict() if profile else None, lsa=o.lsa if kind == "moa" else None,
+                            quant=o.quant if kind in ("moa", "eagle2") else None))
     return arms
 
 

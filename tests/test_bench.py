@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from splitspec.client.bench import ArrivalClock, BenchConfig, method_options, open_link
+from splitspec.client.bench import ArrivalClock, BenchConfig, MethodOptions, method_options, open_link
+from splitspec.shared.config import TreeConfig
 from splitspec.client.bench_metrics import (ALL, GroupKey, aggregate, feature_bytes, goals, quantile, speedup,
                                             token_gaps_ms, vs_remote_ar, vs_single_device_ar)
 from splitspec.client.bench_report import PLOTS, client_server_table, render_markdown, write_plots
@@ -158,14 +159,18 @@ def test_plots_are_written_as_png(tmp_path):
 # --- configuration -------------------------------------------------------------------------------
 
 def test_method_options_and_config_errors():
-    assert method_options("moa:tli=1;quant=int8", "server", "fp16") == ("moa:tli=1", "server", "int8")
-    assert method_options("eagle2", "client", "fp8") == ("eagle2", "client", "fp8")
-    for bad in ("moa;speed=2", "moa;quant=int4", "moa;lsa"):
+    assert method_options("moa:tli=1;quant=int8", "server", "fp16") == MethodOptions("moa:tli=1", "server", "int8")
+    assert method_options("eagle2;vocab=0;tree=4x2x8", "client", "fp8") == MethodOptions(
+        "eagle2", "client", "fp8", 0, TreeConfig(depth=4, top_b=2, max_nodes=8))
+    for bad in ("moa;speed=2", "moa;quant=int4", "moa;lsa", "moa;vocab=many", "moa;vocab=-2", "moa;tree=4x2",
+                "moa;tree=0x2x8", "moa;tree=axbxc"):
         with pytest.raises(ValueError):
             method_options(bad, "server", "fp16")
     parser = build_parser()
     with pytest.raises(ValueError, match="single-device"):
         BenchConfig.from_args(parser.parse_args(["bench", "--local-methods", "moa;quant=int8"]))
+    local = BenchConfig.from_args(parser.parse_args(["bench", "--local-methods", "moa;tree=3x2x6;vocab=0"]))
+    assert local.local_methods == ("moa;tree=3x2x6;vocab=0",)
     cfg = BenchConfig.from_args(parser.parse_args(["bench", "--profiles", "lan,4g", "--threads", "1"]))
     assert cfg.profiles == ("lan", "4g") and "--profiles lan,4g" in cfg.command()
     assert {"none", "ngram", "eagle2", "moa", "moa:tli=1"} <= set(cfg.methods) and cfg.local_methods == ("moa",)
