@@ -30,6 +30,9 @@ from .objectives import EAGLE_NOISE, chunk_starts, eagle_loss, moa_loss, run_tar
 
 log = logging.getLogger(__name__)
 STATE = "trainer_state.pt"
+# tree of the held-out tau measurement: fixed (not TreeConfig's defaults, which are tuned for speed
+# on a CPU) and deep enough for tau to show what the drafter predicts several tokens ahead
+EVAL_TREE = TreeConfig(depth=5, top_b=4, max_nodes=24)
 
 
 @dataclass
@@ -193,8 +196,8 @@ def measure_tau(cfg, drafter, parts, target_model, tokenizer, conversations) -> 
     from splitspec.server.runner import TargetRunner
     from splitspec.shared.models import encode_chat
 
-    runtime = (MoARuntime(drafter, parts, TreeConfig()) if cfg.drafter == "moa"
-               else EagleRuntime(drafter, parts, TreeConfig()))
+    runtime = (MoARuntime(drafter, parts, EVAL_TREE) if cfg.drafter == "moa"
+               else EagleRuntime(drafter, parts, EVAL_TREE))
     decoder = SpeculativeDecoder(LocalVerifier(TargetRunner(target_model, tokenizer, cfg.target)), runtime)
     taus = []
     for conv in conversations:
@@ -223,7 +226,7 @@ def model_card(cfg: TrainConfig, drafter, identity: TargetIdentity, state: dict,
         f"{state['elapsed_s'] / 60:.1f} min for {state['step']} optimizer steps",
         f"- held-out ({cfg.heldout} conversations): loss {record['heldout_loss']:.4f}, top-1 agreement "
         f"{record['heldout_top1']:.3f}; greedy single-device accept length tau {record['tau']:.2f} "
-        f"(EAGLE-2 tree depth {TreeConfig.depth}, top-{TreeConfig.top_b}, {TreeConfig.max_nodes} nodes; "
+        f"(EAGLE-2 tree depth {EVAL_TREE.depth}, top-{EVAL_TREE.top_b}, {EVAL_TREE.max_nodes} nodes; "
         f"{cfg.eval_prompts} prompts x {cfg.eval_new_tokens} tokens)", "",
         f"Reproduce: `splitspec train --drafter {cfg.drafter}{f' --tli {cfg.tli}' if cfg.drafter == 'moa' else ''} "
         f"--target {cfg.target} --data sharegpt --max-tokens {cfg.max_tokens} --epochs {cfg.epochs} "
