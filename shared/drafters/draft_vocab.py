@@ -72,8 +72,12 @@ def load_draft_vocab(path: str | Path, size: int, fingerprint: str) -> torch.Ten
     if meta.get("tokenizer_fingerprint") != fingerprint:
         raise DraftVocabMismatch(f"{path} was counted with tokenizer {meta.get('tokenizer_fingerprint')}, "
                                  f"the target's is {fingerprint}")
-    # stable sort on -counts keeps ties in id order
-    order = torch.sort(-counts, stable=True).indices[: min(size, counts.numel())]
+    return top_tokens(counts, size)
+
+
+def top_tokens(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """The `size` ids with the highest counts [V] (ties to the smaller id), ascending: [min(size, V)]."""
+    order = torch.sort(-counts, stable=True).indices[: min(size, counts.numel())]  # stable: ties in id order
     return torch.sort(order).values
 
 
