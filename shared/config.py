@@ -144,7 +144,7 @@ class TreeConfig:
 
     Defaults (depth 2, top-2, 4 nodes) were measured on the project's 2-core CPU with the shipped
     SmolLM2-135M drafters (README, "Draft trees on a 2-core CPU"): there a verify of 5 positions
-    costs ~1.6 single-token forwards and each tree level a drafter pass, while these drafters'
+    costs ~1.6-1.9 single-token forwards and each tree level a drafter pass, while these drafters'
     tokens past depth 2 are rarely accepted (held-out top-1 agreement 0.18-0.26). Among 5x4x24,
     4x3x12, 4x2x8, 3x2x6, 5x2x10, 2x3x5, 3x1x3 and 2x2x4 the last was fastest single-device and
     over the 4g link. Stronger drafters (or a GPU server) want deeper, wider trees: `--tree-*`.
