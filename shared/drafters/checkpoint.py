@@ -51,7 +51,7 @@ def save_checkpoint(out: Path, kind: str, drafter: torch.nn.Module, target: Targ
                     dtype: torch.dtype = torch.bfloat16) -> None:
     """Write weights (cast to `dtype`) and config atomically into `out`."""
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to(dtype).contiguous() for k, v in drafter.state_dict().items()
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()
                if not k.endswith("inv_freq")}
     save_file(tensors, str(out / (WEIGHTS + ".tmp")), metadata={"kind": kind})
     (out / (WEIGHTS + ".tmp")).replace(out / WEIGHTS)

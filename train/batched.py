@@ -1,0 +1,269 @@
+"""The fast training path: batched conversations, one target pass shared by every drafter.
+
+What makes it fast, against the per-conversation reference in `objectives.py`:
+- conversations of similar length are batched ([B, T], right-padded: with a causal target the
+  valid positions never see a pad, so no attention mask is needed and their activations are
+  exact); pads get no LSA, no LM head and no loss;
+- the frozen target runs once per batch (`run_target_batch`) and its activations feed every
+  drafter being trained;
+- the LM head and the loss run only at trained positions, optionally over a training vocabulary
+  (the FR-Spec draft vocabulary the drafter drafts from at run time; the target's probabilities are
+  renormalised over it);
+- matmuls run in bf16 under autocast where the caller enables it (AMX-BF16 on this CPU, tensor
+  cores on a GPU), while the drafter's weights, the loss and the optimizer state stay fp32.
+
+With every option at its reference value (full vocabulary, fully causal SA, raw TLI targets, fp32)
+the losses equal the reference path's token-weighted mean (tested).
+
+MoA training departures from the first version, following the official trainer (seed 001 §3.1.2,
+"variable future length"; huawei-noah/HEBO `mixture-of-attentions`):
+- staircase SA: early in training SA sees only the current chunk (plus `sa_window` tokens before
+  it), widening to fully causal; this forces the drafter to take its context through CA;
+- chunks of 1..4 tokens (distances 0..3 from the last verified position), the distances the
+  drafted trees use;
+- with TLI > 0 the prediction of layer L - N's input is compared after dividing by a fixed
+  per-dimension scale (the residual stream's outliers otherwise swamp the KL term).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from splitspec.shared.drafters.eagle import EagleDrafter
+from splitspec.shared.drafters.moa import MoADrafter
+from splitspec.shared.drafters.target_parts import TargetParts
+
+from .data import Example
+from .objectives import KL_WEIGHT, chunk_starts
+
+
+@dataclass
+class Batch:
+    """Right-padded conversations."""
+
+    input_ids: torch.Tensor  # [B, T] (pads are 0)
+    valid: torch.Tensor  # [B, T] bool
+    trained: torch.Tensor  # [B, T] bool: the next token belongs to an assistant turn
+    examples: list[Example]
+
+    @property
+    def tokens(self) -> int:
+        """Real tokens in the batch (the unit of training budgets)."""
+        return int(self.valid.sum())
+
+
+def make_batch(examples: list[Example], device: str | torch.device = "cpu") -> Batch:
+    """Pad `examples` to the longest one."""
+    T = max(len(e.input_ids) for e in examples)
+    ids = torch.zeros(len(examples), T, dtype=torch.long)
+    valid = torch.zeros(len(examples), T, dtype=torch.bool)
+    trained = torch.zeros(len(examples), T, dtype=torch.bool)
+    for b, e in enumerate(examples):
+        n = len(e.input_ids)
+        ids[b, :n] = torch.tensor(e.input_ids)
+        valid[b, :n] = True
+        trained[b, : n - 1] = torch.tensor(e.loss_mask[1:], dtype=torch.bool)
+    return Batch(ids.to(device), valid.to(device), trained.to(device), examples)
+
+
+def bucketed_order(lengths: list[int], batch: int, seed: int, pool: int = 64) -> list[list[int]]:
+    """Batches of example indices with little padding: shuffle, sort pools of `pool` batches by
+    length, cut them into batches, shuffle the batches. Deterministic under `seed`."""
+    rng = random.Random(seed)
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    batches = []
+    for p in range(0, len(order), pool * batch):
+        chunk = sorted(order[p: p + pool * batch], key=lambda i: lengths[i])
+        batches.extend(chunk[i: i + batch] for i in range(0, len(chunk), batch))
+    rng.shuffle(batches)
+    return batches
+
+
+@dataclass
+class TargetBatch:
+    """What the frozen target computed for a batch."""
+
+    batch: Batch
+    rows: torch.Tensor  # [N] flat indices b * T + t of trained positions
+    logits: torch.Tensor  # [N, V'] float32 target logits there (V' = training vocabulary)
+    final: torch.Tensor  # [B, T, E] final hidden state after the norm
+    layer_inputs: dict[int, torch.Tensor]  # layer l -> [B, T, E] input of decoder layer l (TLI targets)
+    keys: list[torch.Tensor]  # L tensors [B, Hkv, T, D]
+    values: list[torch.Tensor]  # L tensors [B, Hkv, T, D]
+
+
+def head_weight(lm_head: torch.nn.Module, vocab: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The LM head's weight [V', E] (and bias) restricted to `vocab` [V'] ids, or whole."""
+    bias = getattr(lm_head, "bias", None)
+    if vocab is None:
+        return lm_head.weight, bias
+    return lm_head.weight[vocab], (bias[vocab] if bias is not None else None)
+
+
+@torch.no_grad()
+def run_target_batch(model, batch: Batch, layer_inputs: tuple[int, ...] = (),
+                     vocab: torch.Tensor | None = None) -> TargetBatch:
+    """One target forward over the batch, keeping every layer's K/V, the final state, the inputs
+    of `layer_inputs` and logits [N, V'] at trained positions only."""
+    cache = DynamicCache(config=model.config)
+    out = model.get_decoder()(input_ids=batch.input_ids, past_key_values=cache, use_cache=True,
+                              output_hidden_states=True)
+    final = out.last_hidden_state  # [B, T, E], after the final norm
+    rows = batch.trained.flatten().nonzero().flatten()
+    weight, bias = head_weight(model.get_output_embeddings(), vocab)
+    logits = F.linear(final.flatten(0, 1)[rows], weight, bias).float()
+    return TargetBatch(batch, rows, logits, final, {l: out.hidden_states[l] for l in layer_inputs},
+                       [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers])
+
+
+def stack_layer_kv_batch(keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """Batched `stack_layer_kv`: L tensors [B, Hkv, T, D] -> [B, T, L, W], W = 2 * Hkv * D."""
+    per_layer = [torch.cat([k, v], dim=-1).permute(0, 2, 1, 3).flatten(2) for k, v in zip(keys, values)]
+    return torch.stack(per_layer, dim=2)
+
+
+def batch_chunk_starts(batch: Batch, chunk_min: int, chunk_max: int, rng: random.Random) -> torch.Tensor:
+    """s(i) [B, T]: per conversation a chunk length in [chunk_min, chunk_max] (`chunk_starts`).
+    Pads start chunks of their own."""
+    T = batch.input_ids.shape[1]
+    starts = torch.arange(T).repeat(len(batch.examples), 1)
+    for b, e in enumerate(batch.examples):
+        starts[b, : len(e.input_ids)] = chunk_starts(e.loss_mask, rng.randint(chunk_min, chunk_max), rng)
+    return starts.to(batch.input_ids.device)
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool [B, T, S] -> additive mask [B, 1, T, S]."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
+        ~visible, torch.finfo(dtype).min)[:, None]
+
+
+def _shuffled(memory: torch.Tensor, valid: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """memory [B, T, E] with each conversation's valid rows permuted (the memory-gain control)."""
+    out = memory.clone()
+    for b in range(memory.shape[0]):
+        n = int(valid[b].sum())
+        out[b, :n] = memory[b, torch.randperm(n, generator=gen).to(memory.device)]
+    return out
+
+
+def moa_forward_batch(drafter: MoADrafter, parts: TargetParts, target: TargetBatch, starts: torch.Tensor,
+                      dtype: torch.dtype, sa_window: int | None = None,
+                      shuffle: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """MoA over a batch.
+
+    Args:
+        starts: [B, T] chunk starts s(i); CA sees memory j < s(i) (and j = 0).
+        dtype: dtype of the additive masks (the compute dtype).
+        sa_window: SA of row i sees j in [s(i) - sa_window, i]; None = fully causal.
+        shuffle: permute the memory across positions (memory-gain control).
+    Returns:
+        o [B, T, E] (prediction of layer L - N's input, or the final state for N = 0) and the final
+        normed state [B, T, E].
+    """
+    batch = target.batch
+    B, T = batch.input_ids.shape
+    layer_kv = stack_layer_kv_batch(target.keys, target.values)  # [B, T, L, W]
+    flat = drafter.memory(layer_kv[batch.valid])  # [Nv, E]
+    memory = flat.new_zeros(B, T, flat.shape[-1])
+    memory[batch.valid] = flat
+    if shuffle is not None:
+        memory = _shuffled(memory, batch.valid, shuffle)
+    positions = torch.arange(T, device=memory.device).expand(B, T)
+    mem_keys, mem_values = drafter.ca.memory_kv(memory, drafter.rotary(memory, positions))
+    j = torch.arange(T, device=memory.device)
+    causal = j[None, None, :] <= j[None, :, None]  # [1, T, T]
+    sa_visible = causal if sa_window is None else causal & (j[None, None, :] >= starts[:, :, None] - sa_window)
+    ca_visible = (j[None, None, :] < starts[:, :, None]) | (j[None, None, :] == 0)
+    o = drafter(parts.embed(batch.input_ids), positions, _additive(sa_visible, dtype), mem_keys, mem_values,
+                _additive(ca_visible, dtype))
+    if parts.tli == 0:
+        return o, o
+    cache = DynamicCache()
+    for layer in range(parts.first_tli_layer, parts.num_layers):
+        cache.update(target.keys[layer], target.values[layer], layer)
+    true_part = j[None, None, :] < starts[:, :, None]
+    pred_part = causal & (j[None, None, :] >= starts[:, :, None])
+    _, final = parts.logits(o, positions, _additive(torch.cat([true_part, pred_part], dim=2), dtype), cache,
+                            head=False)
+    return o, final
+
+
+def eagle_forward_batch(drafter: EagleDrafter, parts: TargetParts, target: TargetBatch, dtype: torch.dtype,
+                        noise: float = 0.0, gen: torch.Generator | None = None) -> torch.Tensor:
+    """Slot j holds (token j+1, feature f_j) and predicts f_{j+1}. Returns [B, T-1, E]."""
+    batch = target.batch
+    feats = target.final[:, :-1]
+    if noise:
+        std = target.final[batch.valid].float().std()
+        u = torch.rand(feats.shape, generator=gen).to(feats.device)
+        feats = feats + ((u * 2 - 1) * noise * std).to(feats.dtype)
+    T = feats.shape[1]
+    j = torch.arange(T, device=feats.device)
+    mask = _additive((j[None, :] <= j[:, None])[None], dtype)
+    positions = j.expand(feats.shape[0], T)
+    return drafter(parts.embed(batch.input_ids[:, 1:]), feats, positions, mask)
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """How a batch's loss is computed (defaults = the reference path)."""
+
+    vocab: torch.Tensor | None = None  # [V'] training vocabulary; None = all
+    tli_scale: torch.Tensor | None = None  # [E] per-dimension scale of layer L-N's input; None = raw
+    sa_window: int | None = None  # MoA staircase; None = fully causal
+    eagle_noise: float = 0.0
+
+
+def distill_loss_rows(logits: torch.Tensor, target_logits: torch.Tensor,
+                      l1_terms: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, dict]:
+    """0.1 * CE(softmax(target), drafter) + mean of SmoothL1 terms, averaged over the N rows
+    (token-weighted). logits, target_logits: [N, V']; l1_terms: (prediction, target) pairs [N, E]."""
+    n = max(1, logits.shape[0])
+    target_probs = torch.softmax(target_logits.float(), -1)
+    kl = -(target_probs * torch.log_softmax(logits.float(), -1)).sum() / n
+    l1 = sum(F.smooth_l1_loss(p.float(), t.float(), reduction="none").mean(-1).sum() / n
+             for p, t in l1_terms) / len(l1_terms)
+    top1 = (logits.argmax(-1) == target_logits.argmax(-1)).float().sum() / n
+    return KL_WEIGHT * kl + l1, {"kl": kl.item(), "smooth_l1": l1.item(), "top1": top1.item(), "rows": n}
+
+
+def moa_loss_batch(drafter, parts, target: TargetBatch, starts: torch.Tensor, opts: LossOptions,
+                   dtype: torch.dtype, shuffle: torch.Generator | None = None):
+    o, final = moa_forward_batch(drafter, parts, target, starts, dtype, opts.sa_window, shuffle)
+    rows = target.rows
+    final_rows = final.flatten(0, 1)[rows]
+    weight, bias = head_weight(parts.lm_head, opts.vocab)
+    logits = F.linear(final_rows, weight, bias)
+    terms = [(final_rows, target.final.flatten(0, 1)[rows])]
+    if parts.tli:
+        truth = target.layer_inputs[parts.first_tli_layer].flatten(0, 1)[rows]
+        pred = o.flatten(0, 1)[rows]
+        if opts.tli_scale is not None:
+            pred, truth = pred / opts.tli_scale, truth / opts.tli_scale
+        terms.append((pred, truth))
+    return distill_loss_rows(logits, target.logits, terms)
+
+
+def eagle_loss_batch(drafter, parts, target: TargetBatch, opts: LossOptions, dtype: torch.dtype,
+                     gen: torch.Generator | None = None):
+    """Position i (trained) is predicted by slot i - 1; position 0 has no slot."""
+    pred = eagle_forward_batch(drafter, parts, target, dtype, opts.eagle_noise, gen)  # [B, T-1, E]
+    B, T = target.batch.input_ids.shape
+    b, t = target.rows // T, target.rows % T
+    keep = t >= 1
+    slots = pred[b[keep], t[keep] - 1]  # [N', E]
+    weight, bias = head_weight(parts.lm_head, opts.vocab)
+    return distill_loss_rows(F.linear(slots, weight, bias), target.logits[keep],
+                             [(slots, target.final[b[keep], t[keep]])])
+
+
+def tli_scale(target: TargetBatch, layer: int, floor: float = 1e-2) -> torch.Tensor:
+    """Per-dimension RMS [E] of layer `layer`'s input over the batch's valid positions (fp32)."""
+    h = target.layer_inputs[layer][target.batch.valid].float()
+    return h.pow(2).mean(0).sqrt().clamp_min(floor)
