@@ -1,0 +1,138 @@
+"""`splitspec distill-data`: the target's own answers to ShareGPT prompts, as training data.
+
+A drafter is judged on the target's output, so training it on that output (rather than on the
+ChatGPT answers in ShareGPT) usually raises acceptance (EAGLE §4.3 trains on fixed data but notes
+the gain; Medusa-2 §3.3 "self-distillation"; HASS). For each training conversation's first user
+turn (the held-out split of `splitspec train` is left out), the target answers with batched
+generation; each record is one JSON line of token ids:
+
+    {"index": i, "prompt_ids": [...], "answer_ids": [...]}
+
+The first line of the file is a header with the settings (target, sampling, seed). Batches are
+fixed ranges of prompt indices, each seeded with `seed + first index`, and written whole, so a
+run that stops can be resumed (the same command appends the missing batches) and gives the same
+file as an uninterrupted one.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .data import Example, iter_sharegpt, split_heldout
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    target: str
+    out: Path
+    limit: int = 1000  # prompts
+    batch: int = 16
+    max_prompt_len: int = 256
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    heldout: int = 16
+    seed: int = 0
+    dtype: str = "float32"
+    device: str = "cpu"
+
+    def header(self, model_id: str) -> dict:
+        settings = {k: v for k, v in asdict(self).items() if k not in ("out", "limit")}  # a resume may extend
+        return {"splitspec_distill": 1, "model_id": model_id, **settings}
+
+
+def _prompts(cfg: DistillConfig, tokenizer, conversations: list | None) -> list[list[int]]:
+    from splitspec.shared.models import encode_chat
+
+    convs = conversations if conversations is not None else list(iter_sharegpt())
+    train_convs, _ = split_heldout(convs, cfg.heldout, cfg.seed)
+    prompts = []
+    for conv in train_convs:
+        ids = encode_chat(tokenizer, [conv[0]])
+        if len(ids) <= cfg.max_prompt_len:
+            prompts.append(ids)
+        if len(prompts) >= cfg.limit:
+            break
+    return prompts
+
+
+def _done(path: Path) -> int:
+    """Records already written (a torn last line, from a killed run, is dropped)."""
+    if not path.exists():
+        return 0
+    lines = path.read_text().splitlines(keepends=True)
+    while lines and not lines[-1].endswith("\n"):
+        lines.pop()
+    path.write_text("".join(lines))
+    return max(0, len(lines) - 1)
+
+
+@torch.no_grad()
+def answer_batch(model, prompts: list[list[int]], cfg: DistillConfig, eos: list[int], pad: int,
+                 seed: int) -> list[list[int]]:
+    """Left-padded batched `generate`; each answer ends at (and includes) its first EOS."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=cfg.device)
+    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=cfg.device)
+    torch.manual_seed(seed)
+    sample = cfg.temperature > 0
+    out = model.generate(input_ids=ids, attention_mask=attention, max_new_tokens=cfg.max_new_tokens,
+                         do_sample=sample, temperature=cfg.temperature if sample else None,
+                         top_p=cfg.top_p if sample else None, top_k=None, eos_token_id=eos, pad_token_id=pad)
+    answers = []
+    for row in out[:, width:].tolist():
+        end = next((i for i, t in enumerate(row) if t in eos), None)
+        answers.append(row if end is None else row[: end + 1])
+    return answers
+
+
+def distill_data(cfg: DistillConfig, conversations: list | None = None) -> dict:
+    """Write (or complete) the JSONL file; returns counts.
+
+    Raises:
+        ValueError: the file was written with other settings.
+    """
+    from splitspec.shared.models import eos_token_ids, load_model
+
+    model, tokenizer, model_id = load_model(cfg.target, device=cfg.device, dtype=cfg.dtype)
+    header = cfg.header(model_id)
+    done = _done(cfg.out)
+    if done or cfg.out.exists() and cfg.out.stat().st_size:
+        first = json.loads(cfg.out.read_text().splitlines()[0])
+        if first != header:
+            raise ValueError(f"{cfg.out} was written with other settings: {first}")
+    else:
+        cfg.out.parent.mkdir(parents=True, exist_ok=True)
+        cfg.out.write_text(json.dumps(header) + "\n")
+    prompts = _prompts(cfg, tokenizer, conversations)
+    eos = eos_token_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    start = done - done % cfg.batch
+    if start != done:  # a partial batch cannot be, batches are written whole; keep the file consistent
+        raise ValueError(f"{cfg.out} holds {done} records, not a whole number of batches of {cfg.batch}")
+    tokens = 0
+    with cfg.out.open("a") as f:
+        for i in range(start, len(prompts), cfg.batch):
+            chunk = prompts[i: i + cfg.batch]
+            answers = answer_batch(model, chunk, cfg, eos, pad, cfg.seed + i)
+            f.write("".join(json.dumps({"index": i + k, "prompt_ids": p, "answer_ids": a}) + "\n"
+                            for k, (p, a) in enumerate(zip(chunk, answers))))
+            f.flush()
+            tokens += sum(len(a) for a in answers)
+    return {"out": str(cfg.out), "records": len(prompts), "new_answer_tokens": tokens}
+
+
+def load_distilled(path: str | Path, max_len: int) -> list[Example]:
+    """Examples (prompt + answer ids, loss on the answer) from a distill-data file."""
+    examples = []
+    for line in Path(path).read_text().splitlines()[1:]:
+        record = json.loads(line)
+        prompt, answer = record["prompt_ids"], record["answer_ids"]
+        ids = (prompt + answer)[:max_len]
+        mask = ([0] * len(prompt) + [1] * len(answer))[:max_len]
+        if sum(mask) and len(ids) >= 8:
+            examples.append(Example(ids, mask))
+    return examples
