@@ -1,0 +1,163 @@
+"""The training room's commands: `train`, `train-bench`, `distill-data`, `draft-vocab`."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from splitspec.shared.models import DEFAULT_TARGET
+
+
+def add_train_parsers(sub) -> None:
+    _add_train_parser(sub)
+    _add_train_bench_parser(sub)
+    _add_distill_parser(sub)
+    _add_draft_vocab_parser(sub)
+    add_curve_parser(sub)
+
+
+def _chunk(text: str) -> tuple[int, int]:
+    low, _, high = text.partition("-")
+    if not (low.isdigit() and high.isdigit()) or not 1 <= int(low) <= int(high):
+        raise argparse.ArgumentTypeError(f"expected MIN-MAX with 1 <= MIN <= MAX, got {text!r}")
+    return int(low), int(high)
+
+
+def _add_recipe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafter", required=True,
+                   help="moa | moa:tli=N | eagle2, or a comma list trained together on one target pass")
+    p.add_argument("--tli", type=int, default=0, help="MoA Target Layer Inference for a single `moa`")
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--data", default="sharegpt", help="sharegpt, or a JSONL file written by `splitspec distill-data`")
+    p.add_argument("--max-len", type=int, default=512)
+    p.add_argument("--batch", type=int, default=8, help="conversations per optimizer step")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--chunk", type=_chunk, default=(1, 4),
+                   help="MoA chunk lengths MIN-MAX: drafting distances 0 .. MAX-1 from the last verified token")
+    p.add_argument("--staircase", type=float, default=0.5,
+                   help="MoA: SA widens from the current chunk to fully causal over this share of the steps (0 = off)")
+    p.add_argument("--no-tli-norm", action="store_true",
+                   help="MoA TLI > 0: compare layer L-N's input raw instead of per-dimension scaled")
+    p.add_argument("--train-vocab", type=int, default=-1,
+                   help="KL over the N most frequent target tokens (the draft vocabulary); 0 = all; "
+                        "default: 8192 where the target has shipped token counts")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="matmul dtype (bfloat16 = autocast; weights, loss and optimizer stay fp32)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+
+
+def _config(args, out: Path, **extra):
+    from splitspec.train.trainer import TrainConfig
+
+    return TrainConfig(drafter=args.drafter, target=args.target, out=out, tli=args.tli, max_len=args.max_len,
+                       batch=args.batch, lr=args.lr, chunk_min=args.chunk[0], chunk_max=args.chunk[1],
+                       staircase=args.staircase, tli_norm=not args.no_tli_norm, train_vocab=args.train_vocab,
+                       dtype=args.dtype, seed=args.seed, device=args.device, data=args.data, **extra)
+
+
+def _add_train_parser(sub) -> None:
+    p = sub.add_parser("train", help="train MoA / EAGLE-2 drafters by distillation from the target")
+    _add_recipe_args(p)
+    p.add_argument("--max-tokens", type=int, default=200_000, help="training tokens per epoch")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--eval-every", type=int, default=50, help="optimizer steps between held-out evaluations")
+    p.add_argument("--max-minutes", type=float, default=0.0, help="stop cleanly after this long (0 = no limit)")
+    p.add_argument("--heldout", type=int, default=16, help="held-out conversations (loss, top-1, memory gain)")
+    p.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts of the tau measurement")
+    p.add_argument("--eval-new-tokens", type=int, default=48, help="tokens generated per tau prompt")
+    p.add_argument("--out", required=True)
+    p.add_argument("--resume", action="store_true", help="continue the run in --out exactly where it stopped")
+    p.set_defaults(func=cmd_train)
+
+
+def cmd_train(args) -> None:
+    from splitspec.train.trainer import train
+
+    cfg = _config(args, Path(args.out), max_tokens=args.max_tokens, epochs=args.epochs, eval_every=args.eval_every,
+                  max_minutes=args.max_minutes, resume=args.resume, heldout=args.heldout,
+                  eval_prompts=args.eval_prompts, eval_new_tokens=args.eval_new_tokens)
+    print(json.dumps(train(cfg)))
+
+
+def _add_train_bench_parser(sub) -> None:
+    p = sub.add_parser("train-bench", help="training tokens/s per drafter: the reference path vs the fast path, "
+                                           "side by side in one process")
+    _add_recipe_args(p)
+    p.add_argument("--tokens", type=int, default=8_000, help="training tokens each path processes")
+    p.set_defaults(func=cmd_train_bench)
+
+
+def cmd_train_bench(args) -> None:
+    import torch
+
+    from splitspec.train.throughput import bench_throughput
+
+    ref, fast = bench_throughput(_config(args, Path("out/train-bench")), args.tokens)
+    print(f"drafters: {', '.join(ref.drafters)}; {torch.get_num_threads()} threads; {args.device}")
+    print("| path | tokens | seconds | tokens/s per drafter |\n|---|---|---|---|")
+    for r in (ref, fast):
+        print(f"| {r.path} | {r.tokens} | {r.seconds:.1f} | {r.tokens_per_s:.0f} |")
+    print(f"fast / reference: {fast.tokens_per_s / ref.tokens_per_s:.1f}x tokens/s per drafter")
+
+
+def _add_distill_parser(sub) -> None:
+    p = sub.add_parser("distill-data", help="write the target's own answers to ShareGPT prompts (token ids, JSONL)")
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--out", required=True, help="JSONL file (appended to; resumable)")
+    p.add_argument("--limit", type=int, default=1000, help="prompts to answer")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--max-prompt-len", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the drafters' main use)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--heldout", type=int, default=16, help="held-out conversations left out (as in `train`)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.set_defaults(func=cmd_distill)
+
+
+def cmd_distill(args) -> None:
+    from splitspec.train.distill import DistillConfig, distill_data
+
+    cfg = DistillConfig(target=args.target, out=Path(args.out), limit=args.limit, batch=args.batch,
+                        max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens,
+                        temperature=args.temperature, top_p=args.top_p, heldout=args.heldout, seed=args.seed,
+                        dtype=args.dtype, device=args.device)
+    print(json.dumps(distill_data(cfg)))
+
+
+def _add_draft_vocab_parser(sub) -> None:
+    p = sub.add_parser("draft-vocab", help="count the target's tokens in ShareGPT responses for the draft vocabulary")
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--data", default="sharegpt", choices=["sharegpt"])
+    p.add_argument("--max-len", type=int, default=2048, help="tokens counted per conversation")
+    p.add_argument("--limit", type=int, default=None, help="count only this many training conversations")
+    p.add_argument("--out", default=None, help="default: client/checkpoints/<target>/token_counts.safetensors")
+    p.set_defaults(func=cmd_draft_vocab)
+
+
+def cmd_draft_vocab(args) -> None:
+    from splitspec.client.drafters import target_folder
+    from splitspec.shared.drafters.draft_vocab import COUNTS
+    from splitspec.train.vocab import make_counts
+
+    out = Path(args.out) if args.out else target_folder(args.target) / COUNTS
+    result = make_counts(args.target, out, max_len=args.max_len, limit=args.limit)
+    print(json.dumps({"out": str(out), **result}))
+
+
+def add_curve_parser(sub) -> None:
+    p = sub.add_parser("train-curve", help="learning curve of training runs: Markdown table + PNG")
+    p.add_argument("runs", nargs="+", help="training output directories")
+    p.add_argument("--png", default="docs/training_curve.png")
+    p.set_defaults(func=cmd_curve)
+
+
+def cmd_curve(args) -> None:
+    from splitspec.train.curve import plot, read_histories, table
+
+    histories = read_histories([Path(r) for r in args.runs])
+    plot(histories, Path(args.png))
+    print(table(histories))

@@ -1,0 +1,54 @@
+"""`splitspec train-curve`: the learning curve of training runs (held-out tau, top-1 agreement and,
+for MoA, memory gain against training tokens), as a Markdown table and a PNG plot."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+METRICS = (("tau", "held-out tau (depth-5 top-4 24-node tree)"), ("heldout_top1", "held-out top-1 agreement"),
+           ("memory_gain", "MoA memory gain (top-1, true - shuffled memory)"))
+
+
+def read_histories(dirs: list[Path]) -> dict[str, list[dict]]:
+    """{drafter name: records} from every `history.jsonl` under `dirs` (a run dir or a drafter dir)."""
+    out = {}
+    for d in dirs:
+        for path in sorted(Path(d).rglob("history.jsonl")):
+            if path.parent.name == "best":
+                continue
+            records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            out[f"{path.parent.name} ({path.parent.parent.name})"] = records
+    return out
+
+
+def table(histories: dict[str, list[dict]]) -> str:
+    lines = ["| drafter (run) | tokens | minutes | held-out tau | top-1 | memory gain | held-out loss |",
+             "|---|---|---|---|---|---|---|"]
+    for name, records in histories.items():
+        for r in records:
+            gain = f"{r['memory_gain']:+.3f}" if "memory_gain" in r else "-"
+            lines.append(f"| {name} | {r['tokens']:,} | {r.get('elapsed_s', 0) / 60:.0f} | {r['tau']:.2f} | "
+                         f"{r['heldout_top1']:.3f} | {gain} | {r['heldout_loss']:.3f} |")
+    return "\n".join(lines)
+
+
+def plot(histories: dict[str, list[dict]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(5 * len(METRICS), 4))
+    for ax, (key, title) in zip(axes, METRICS):
+        for name, records in histories.items():
+            points = [(r["tokens"], r[key]) for r in records if key in r]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=name)
+        ax.set_xscale("log")
+        ax.set_xlabel("training tokens")
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
