@@ -142,7 +142,7 @@ def trained(chat_stories, stories_path, tmp_path_factory):
 
         held_ex = [e for e in (tokenize_conversation(tokenizer, c, cfg.max_len) for c in held) if e]
         first = evaluate(cfg, fresh, parts, model, tokenizer, held, held_ex)
-        last = train(cfg, progress=False)
+        last = train(cfg, progress=False)[cfg.jobs()[0].name]
         out[f"{kind}{tli}"] = (cfg.out, first, last)
     return out
 
@@ -157,9 +157,9 @@ def test_resume_continues(chat_stories, stories_path, tmp_path):
     model, tokenizer, _, convs = chat_stories
     common = dict(drafter="eagle2", target=str(stories_path), out=tmp_path, max_tokens=3000, batch=4, lr=1e-3,
                   heldout=4, eval_every=2, eval_prompts=1, eval_new_tokens=8, conversations=convs, seed=3)
-    straight = train(TrainConfig(**{**common, "out": tmp_path / "a"}, epochs=2), progress=False)
+    straight = train(TrainConfig(**{**common, "out": tmp_path / "a"}, epochs=2), progress=False)["eagle2"]
     train(TrainConfig(**{**common, "out": tmp_path / "b"}, epochs=1), progress=False)
-    resumed = train(TrainConfig(**{**common, "out": tmp_path / "b"}, epochs=2, resume=True), progress=False)
+    resumed = train(TrainConfig(**{**common, "out": tmp_path / "b"}, epochs=2, resume=True), progress=False)["eagle2"]
     assert resumed["step"] == straight["step"]
     assert resumed["heldout_loss"] == pytest.approx(straight["heldout_loss"], rel=1e-4)
 

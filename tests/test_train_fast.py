@@ -1,0 +1,153 @@
+"""The fast trainer (train/batched.py, train/trainer.py): equal to the reference path, several
+drafters on one target pass, clean stops and exact resumes, distilled data, size limits."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from splitspec.shared.drafters.target_parts import TargetParts
+from splitspec.train.batched import (LossOptions, batch_chunk_starts, eagle_loss_batch, make_batch,
+                                     moa_loss_batch, run_target_batch)
+from splitspec.train.data import tokenize_conversation
+from splitspec.train.objectives import eagle_loss, moa_loss, run_target
+from splitspec.train.trainer import (CheckpointTooLarge, DrafterJob, TrainConfig, build_drafter, check_size,
+                                     sa_window, train)
+
+
+def _conversations(n: int, seed: int) -> list[list[dict]]:
+    rng = random.Random(seed)
+    words = "the a little dog cat ran sat on mat big red ball happy sun tree".split()
+    text = lambda k: " ".join(rng.choice(words) for _ in range(k))  # noqa: E731
+    return [[{"role": "user", "content": text(rng.randint(3, 10))},
+             {"role": "assistant", "content": text(rng.randint(8, 40))}] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def examples(stories):
+    _, tokenizer, _ = stories
+    out = [tokenize_conversation(tokenizer, c, 128) for c in _conversations(3, 0)]
+    assert len({len(e.input_ids) for e in out}) == 3  # different lengths: the batch is padded
+    return out
+
+
+def _reference(job: DrafterJob, drafter, parts, model, examples, starts):
+    """Token-weighted mean of the reference path's per-conversation losses."""
+    total, rows = 0.0, 0
+    for ex, s in zip(examples, starts):
+        target = run_target(model, torch.tensor(ex.input_ids), ex.loss_mask)
+        loss, _ = (moa_loss(drafter, parts, target, s) if job.kind == "moa"
+                   else eagle_loss(drafter, parts, target, 0.0, None))
+        n = int(target.trained.numel()) - (0 if job.kind == "moa" else int((target.trained < 1).sum()))
+        total, rows = total + loss * n, rows + n
+    return total / rows
+
+
+@pytest.mark.parametrize("job", [DrafterJob("moa"), DrafterJob("moa", 1), DrafterJob("eagle2")], ids=str)
+def test_fast_path_equals_reference(stories, examples, job):
+    """fp32, full vocabulary, fully causal SA, raw TLI target: the batched loss and its gradients
+    equal the reference's; in bf16 autocast the loss stays within bf16 tolerance."""
+    model, _, _ = stories
+    torch.manual_seed(0)
+    drafter = build_drafter(job, model.config)
+    parts = TargetParts(model, job.tli)
+    batch = make_batch(examples)
+    starts = batch_chunk_starts(batch, 1, 4, random.Random(0))
+    per_example = [starts[b, : len(e.input_ids)] for b, e in enumerate(examples)]
+    target = run_target_batch(model, batch, (parts.first_tli_layer,) if job.tli else ())
+    fast = (moa_loss_batch(drafter, parts, target, starts, LossOptions(), torch.float32)[0] if job.kind == "moa"
+            else eagle_loss_batch(drafter, parts, target, LossOptions(), torch.float32)[0])
+    ref = _reference(job, drafter, parts, model, examples, per_example)
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-6)
+    g_fast = torch.autograd.grad(fast, list(drafter.parameters()))
+    g_ref = torch.autograd.grad(ref, list(drafter.parameters()))
+    for a, b in zip(g_fast, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        target16 = run_target_batch(model, batch, (parts.first_tli_layer,) if job.tli else ())
+        bf16 = (moa_loss_batch(drafter, parts, target16, starts, LossOptions(), torch.bfloat16)[0]
+                if job.kind == "moa" else eagle_loss_batch(drafter, parts, target16, LossOptions(), torch.bfloat16)[0])
+    assert abs(bf16.item() - ref.item()) <= 0.03 * ref.item()
+
+
+def test_staircase_window_ramps():
+    cfg = TrainConfig(drafter="moa", target="x", out=None, staircase=0.5, max_len=512)
+    assert sa_window(cfg, 0, 100) == 0 and sa_window(cfg, 25, 100) == 256 and sa_window(cfg, 50, 100) is None
+    assert sa_window(TrainConfig(drafter="moa", target="x", out=None, staircase=0.0), 0, 100) is None
+
+
+def test_drafter_list_parsing():
+    cfg = TrainConfig(drafter="moa,moa:tli=1,eagle2", target="x", out=None)
+    assert [j.name for j in cfg.jobs()] == ["moa-tli0", "moa-tli1", "eagle2"]
+    assert TrainConfig(drafter="moa", tli=2, target="x", out=None).jobs() == [DrafterJob("moa", 2)]
+    for bad in ("moa:tli=x", "medusa", "moa,moa", "eagle2:tli=1"):
+        with pytest.raises(ValueError):
+            TrainConfig(drafter=bad, target="x", out=None).jobs()
+
+
+def _small(stories_path, out, **kw) -> TrainConfig:
+    base = dict(drafter="moa,eagle2", target=str(stories_path), out=out, max_tokens=1200, batch=4, lr=2e-3,
+                heldout=3, eval_every=1000, eval_prompts=1, eval_new_tokens=6, conversations=_conversations(40, 1),
+                seed=5)
+    return TrainConfig(**{**base, **kw})
+
+
+def _weights(path) -> dict:
+    saved = torch.load(path / "trainer_state.pt", weights_only=False)
+    return {name: t["drafter"] for name, t in saved["trainees"].items()}
+
+
+def test_drafters_trained_together_equal_alone(stories_path, tmp_path):
+    together = train(_small(stories_path, tmp_path / "both"), progress=False)
+    assert set(together) == {"moa-tli0", "eagle2"} and "memory_gain" in together["moa-tli0"]
+    both = _weights(tmp_path / "both")
+    for name, drafter in (("moa-tli0", "moa"), ("eagle2", "eagle2")):
+        train(_small(stories_path, tmp_path / name, drafter=drafter), progress=False)
+        alone = _weights(tmp_path / name)[name]
+        for key, value in alone.items():
+            torch.testing.assert_close(both[name][key], value, rtol=0, atol=0)
+    assert (tmp_path / "both" / "moa-tli0" / "best" / "model.safetensors").exists()
+
+
+def test_max_minutes_stops_and_resume_continues_exactly(stories_path, tmp_path):
+    straight = train(_small(stories_path, tmp_path / "a", epochs=2), progress=False)
+    stopped = train(_small(stories_path, tmp_path / "b", epochs=2, max_minutes=1e-9), progress=False)
+    assert stopped["eagle2"]["step"] == 1 < straight["eagle2"]["step"]
+    resumed = train(_small(stories_path, tmp_path / "b", epochs=2, resume=True), progress=False)
+    assert resumed["eagle2"]["step"] == straight["eagle2"]["step"]
+    a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    for name in a:
+        for key in a[name]:
+            torch.testing.assert_close(a[name][key], b[name][key], rtol=0, atol=0)
+
+
+def test_checkpoint_over_the_size_limit_is_refused(stories):
+    model, _, _ = stories
+    drafter = build_drafter(DrafterJob("moa"), model.config)
+    assert check_size(drafter) > 0
+    with pytest.raises(CheckpointTooLarge, match="MiB"):
+        check_size(drafter, limit=1024)
+
+
+def test_distill_data_is_deterministic_and_resumes(stories_path, tmp_path):
+    from splitspec.train.distill import DistillConfig, distill_data, load_distilled
+
+    convs = _conversations(20, 2)
+    common = dict(target=str(stories_path), batch=2, max_new_tokens=12, temperature=1.0, top_p=0.9, heldout=2,
+                  seed=7)
+    distill_data(DistillConfig(out=tmp_path / "a.jsonl", limit=6, **common), convs)
+    distill_data(DistillConfig(out=tmp_path / "b.jsonl", limit=2, **common), convs)
+    with (tmp_path / "b.jsonl").open("a") as f:
+        f.write('{"index": 2, "prompt_')  # a torn line from a killed run
+    distill_data(DistillConfig(out=tmp_path / "b.jsonl", limit=6, **common), convs)
+    a, b = (tmp_path / "a.jsonl").read_text(), (tmp_path / "b.jsonl").read_text()
+    assert a == b and len(a.splitlines()) == 7
+    assert json.loads(a.splitlines()[0])["temperature"] == 1.0
+    other = distill_data(DistillConfig(out=tmp_path / "c.jsonl", limit=6, **{**common, "seed": 8}), convs)
+    assert other["records"] == 6 and (tmp_path / "c.jsonl").read_text() != a
+    with pytest.raises(ValueError, match="other settings"):
+        distill_data(DistillConfig(out=tmp_path / "a.jsonl", limit=6, **{**common, "seed": 8}), convs)
+    examples = load_distilled(tmp_path / "a.jsonl", 64)
+    assert examples and all(sum(e.loss_mask) > 0 for e in examples)
