@@ -386,7 +386,7 @@ def build_arms(cfg: BenchConfig, stack: contextlib.ExitStack, model, tokenizer, 
     from .drafters import make_drafter
     from .loop import SpeculativeDecoder
     from .transport import RemoteVerifier, load_client_security
-    from .verifier import LocalVerifier
+    from splitspec.server.local import LocalVerifier
 
     local = LocalVerifier(TargetRunner(model, tokenizer, model_id))
     fingerprint = local.info.tokenizer_fingerprint

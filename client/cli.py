@@ -303,7 +303,7 @@ def build_client(args) -> ClientSetup:
     if args.local:
         from splitspec.server.runner import TargetRunner
 
-        from .verifier import LocalVerifier
+        from splitspec.server.local import LocalVerifier
 
         model, tokenizer, model_id = load_model(args.target, device=args.device, dtype=args.dtype)
         verifier = LocalVerifier(TargetRunner(model, tokenizer, model_id))

@@ -33,7 +33,7 @@ from splitspec.shared.tree import ROOT, DraftTree
 
 from .drafters import DraftLimits, Drafter
 from .privacy import PrivacyGuard, best_path
-from .verifier import CallStats, LinkDown, SessionLost, StepResult, Verifier
+from splitspec.shared.verifier import CallStats, LinkDown, SessionLost, StepResult, Verifier
 
 log = logging.getLogger(__name__)
 

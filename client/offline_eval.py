@@ -118,7 +118,7 @@ class EvalConfig:
 # --- the link cut ---------------------------------------------------------------------------------
 
 class CutLink:
-    """A Verifier (client/verifier.py) wrapping another whose link goes down for good once the
+    """A Verifier (shared/verifier.py) wrapping another whose link goes down for good once the
     answer holds `cut_after` tokens.
 
     Until the cut, `info.max_tree_depth` shrinks so that no step can carry the answer past
@@ -162,13 +162,13 @@ class CutLink:
 
 
 class _CutSession:
-    """A VerifierSession (client/verifier.py) behind a CutLink."""
+    """A VerifierSession (shared/verifier.py) behind a CutLink."""
 
     def __init__(self, owner: CutLink, inner) -> None:
         self.owner, self.inner = owner, inner
 
     def verify(self, tree, draft_probs, forced_tokens=()):
-        from .verifier import LinkDown
+        from splitspec.shared.verifier import LinkDown
 
         owner = self.owner
         if not owner.link_up:
@@ -186,7 +186,7 @@ class _CutSession:
         return result
 
     def resume(self):
-        from .verifier import LinkDown
+        from splitspec.shared.verifier import LinkDown
 
         raise LinkDown("link cut (offline-eval)")
 
@@ -499,7 +499,7 @@ def run_experiment(cfg: EvalConfig, problems: list[dict]) -> tuple[list[dict], d
 
     from .drafters import NgramDrafter, NoDrafter, make_drafter
     from .loop import OfflinePolicy, SpeculativeDecoder
-    from .verifier import LocalVerifier
+    from splitspec.server.local import LocalVerifier
 
     torch.set_num_threads(cfg.threads)
     logging.getLogger("splitspec.client.loop").setLevel(logging.ERROR)  # every answer ends unverified here

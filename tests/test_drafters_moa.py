@@ -11,7 +11,7 @@ from splitspec.client.drafters.eagle import EagleRuntime
 from splitspec.client.drafters.moa import MoARuntime
 from splitspec.client.loop import SpeculativeDecoder
 from splitspec.client.transport import RemoteVerifier
-from splitspec.client.verifier import LocalVerifier
+from splitspec.server.local import LocalVerifier
 from splitspec.server.runner import TargetRunner
 from splitspec.shared.config import TreeConfig
 from splitspec.shared.drafters.checkpoint import (CheckpointMismatch, TargetIdentity, checkpoint_id,

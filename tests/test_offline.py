@@ -10,7 +10,8 @@ import pytest
 from splitspec.client.drafters import DraftModelDrafter, NgramDrafter
 from splitspec.client.loop import KEPT, OFFLINE, TARGET, OfflinePolicy, SpeculativeDecoder
 from splitspec.client.transport import RemoteVerifier
-from splitspec.client.verifier import LinkDown, LocalVerifier, SessionLost, VerifierSession
+from splitspec.server.local import LocalVerifier
+from splitspec.shared.verifier import LinkDown, SessionLost, VerifierSession
 from splitspec.server.runner import TargetRunner
 from splitspec.shared.config import TreeConfig
 from splitspec.shared.models import load_model

@@ -11,7 +11,8 @@ from splitspec.client.loop import OFFLINE, TARGET, OfflinePolicy, SpeculativeDec
 from splitspec.client.offline_eval import (HARNESS_FALLBACK, HARNESS_PACKAGE, REFERENCE, CutLink, agreement,
                                            build_completion, check_completions, extract_code, humaneval_messages,
                                            interrupted, load_problems, package_exec_enabled)
-from splitspec.client.verifier import LinkDown, LocalVerifier
+from splitspec.server.local import LocalVerifier
+from splitspec.shared.verifier import LinkDown
 from splitspec.server.runner import TargetRunner
 from splitspec.shared.config import TreeConfig
 from splitspec.shared.models import load_model

@@ -192,7 +192,7 @@ def measure_tau(cfg, drafter, parts, target_model, tokenizer, conversations) -> 
     from splitspec.client.drafters.eagle import EagleRuntime
     from splitspec.client.drafters.moa import MoARuntime
     from splitspec.client.loop import SpeculativeDecoder
-    from splitspec.client.verifier import LocalVerifier
+    from splitspec.server.local import LocalVerifier
     from splitspec.server.runner import TargetRunner
     from splitspec.shared.models import encode_chat
 
