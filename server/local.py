@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from splitspec.shared.models import eos_token_ids, tokenizer_fingerprint
+from splitspec.shared.models import eos_token_ids, load_model, tokenizer_fingerprint
 from splitspec.shared.verifier import CallStats, OpenResult, ServerInfo, StepResult, Verifier, VerifierSession
 
 from .runner import TargetRunner
@@ -52,3 +52,9 @@ class _LocalSession(VerifierSession):
     def close(self) -> None:
         self.session = None
 
+
+def load_local_verifier(target: str, device: str = "cpu", dtype: str = "float32"):
+    """(LocalVerifier of `target` loaded in this process, its tokenizer): the LocalVerifierFactory
+    single-device clients get from the composition root (client/build.py)."""
+    model, tokenizer, model_id = load_model(target, device=device, dtype=dtype)
+    return LocalVerifier(TargetRunner(model, tokenizer, model_id)), tokenizer

@@ -14,7 +14,7 @@ from splitspec.server.runner import TargetRunner
 from splitspec.shared.config import TreeConfig
 from splitspec.shared.models import early_exit, encode_chat, load_model
 
-from .conftest import SPEC_BENCH, OracleDrafter, reference_greedy
+from .helpers import SPEC_BENCH, OracleDrafter, reference_greedy
 
 N_NEW = 60
 
