@@ -1,101 +1,44 @@
-"""The `splitspec` command: pull, serve, generate, chat, bench.
+"""The client's commands: `splitspec generate` and `splitspec chat`.
 
-All configuration is built from the command line here, in one place.
+`add_client_parsers` adds them to the top-level parser (cli/main.py); their flags become one
+`ClientConfig` here (`client_config`), in one place. The loop, the drafters and the gRPC stack
+load when a command runs, so that `splitspec --help` stays quick.
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import logging
-import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
+from functools import partial
 
-import grpc
-
-from splitspec.client.drafters import DEFAULT_DRAFT_VOCAB
-from splitspec.shared.config import ServerLimits, TreeConfig
+from splitspec.shared.config import TreeConfig
+from splitspec.shared.drafters.spec import DEFAULT_DRAFT_VOCAB, QUANTIZATIONS, DrafterSpec
 from splitspec.shared.models import DEFAULT_TARGET
 from splitspec.shared.sampling import SamplingParams
-from splitspec.v1 import verify_pb2 as pb
 
-FEATURE_QUANT = {"fp16": pb.QUANTIZATION_NONE, "int8": pb.QUANTIZATION_INT8, "fp8": pb.QUANTIZATION_FP8_E4M3}
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
-    _quiet_libraries()
-    try:
-        return args.func(args) or 0
-    except KeyboardInterrupt:
-        return 130
-    except (ValueError, RuntimeError, OSError) as err:
-        print(f"splitspec: error: {err}", file=sys.stderr)
-        return 2
-    except grpc.RpcError as err:
-        print(f"splitspec: error: the verify service answered {err.code().name}: {err.details()}", file=sys.stderr)
-        return 3
+from .history import ChatHistory, default_path
+from .privacy import PrivacyGuard, encode_private_chat, placeholder_token
+from .reconnect import OfflinePolicy
+from .stream import TextStream
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="splitspec", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("pull", help="obtain a model and cache a converted copy")
-    p.add_argument("model", nargs="?", default=DEFAULT_TARGET)
-    p.set_defaults(func=cmd_pull)
-
-    p = sub.add_parser("serve", help="run the verify service")
-    p.add_argument("--target", default=DEFAULT_TARGET, help="alias, Hugging Face id or local path")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
-    _add_device_args(p)
-    p.add_argument("--max-sessions", type=int, default=ServerLimits.max_sessions)
-    p.add_argument("--max-tree-nodes", type=int, default=ServerLimits.max_tree_nodes)
-    p.add_argument("--max-context", type=int, default=None)
-    p.add_argument("--session-ttl", type=float, default=ServerLimits.session_idle_ttl_s, help="idle seconds")
-    p.add_argument("--link", default=None, metavar="PROFILE",
-                   help="serve behind an emulated link: lan, wifi, 5g, 4g, offline or a .toml file")
-    p.add_argument("--backend", default="relay", choices=["auto", "relay", "tun", "netem"],
-                   help="--link backend; tun/netem (root) put the service in a network namespace")
-    p.add_argument("--lsa", action="append", default=[], metavar="DRAFTER",
-                   help="host this MoA drafter's LSA for clients with --lsa-placement server: moa[:tli=N|:PATH]")
-    _add_service_args(p)
-    p.set_defaults(func=cmd_serve)
-
-    for name, helptext in (("generate", "generate one answer"), ("chat", "multi-turn terminal chat")):
-        p = sub.add_parser(name, help=helptext)
-        _add_client_args(p)
-        if name == "generate":
-            p.add_argument("--prompt", required=True)
-            p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-            p.set_defaults(func=cmd_generate)
-        else:
-            p.add_argument("--history", default=None, help="chat history SQLite file "
-                           "(default ~/.local/share/splitspec/chat.sqlite3)")
-            p.add_argument("--resume", action="store_true", help="continue the last conversation in --history")
-            p.set_defaults(func=cmd_chat)
-
-    from .bench import add_bench_parser
-    from .demo import add_demo_parser
-    from .offline_eval import add_offline_eval_parser
-    from splitspec.netsim.cli import add_netsim_parser
-
-    add_bench_parser(sub)
-    add_demo_parser(sub)
-    add_offline_eval_parser(sub)
-    add_netsim_parser(sub)
-    from splitspec.train.cli import add_train_parsers
-
-    add_train_parsers(sub)
-    return parser
+def add_client_parsers(sub, local_verifier=None) -> None:
+    """generate and chat. `local_verifier`: the LocalVerifierFactory (client/build.py) that
+    --local uses; the composition root passes server/local.py's."""
+    p = sub.add_parser("generate", help="generate one answer")
+    _add_client_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.set_defaults(func=partial(cmd_generate, local_verifier=local_verifier))
+    p = sub.add_parser("chat", help="multi-turn terminal chat")
+    _add_client_args(p)
+    p.add_argument("--history", default=None, help="chat history SQLite file "
+                   "(default ~/.local/share/splitspec/chat.sqlite3)")
+    p.add_argument("--resume", action="store_true", help="continue the last conversation in --history")
+    p.set_defaults(func=partial(cmd_chat, local_verifier=local_verifier))
 
 
-def _add_device_args(p: argparse.ArgumentParser) -> None:
+def add_device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
@@ -107,10 +50,11 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help="target model for --local, and the tokenizer")
     p.add_argument("--drafter", default="auto",
                    help="auto | none | ngram | draft-model:MODEL[@layers=N] | moa[:tli=N|:PATH] | eagle2[:PATH]; "
-                        "auto = the MoA checkpoint shipped for the target, else ngram")
+                        "auto = the MoA checkpoint shipped for the target, else ngram; options ;lsa= ;quant= "
+                        ";vocab= ;tree=DxBxN override the flags below (shared/drafters/spec.py)")
     p.add_argument("--lsa-placement", default="client", choices=["client", "server"],
                    help="MoA: run Layer Self-Attention here (server sends all layers' K/V) or on the server")
-    p.add_argument("--feature-quant", default="fp16", choices=sorted(FEATURE_QUANT),
+    p.add_argument("--feature-quant", default="fp16", choices=sorted(QUANTIZATIONS),
                    help="quantization of the features the server sends")
     p.add_argument("--draft-vocab", type=int, default=-1,
                    help="moa/eagle2: draft among the N most frequent tokens (FR-Spec); 0 = the full vocabulary; "
@@ -139,187 +83,31 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-ca", default=None, help="PEM CA bundle to verify the server (enables TLS)")
     p.add_argument("--tls-cert", default=None, help="PEM client certificate (mTLS; enables TLS)")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    _add_device_args(p)
+    add_device_args(p)
 
 
-def cmd_pull(args) -> None:
-    from splitspec.shared.models import pull
-
-    print(f"{args.model}: {pull(args.model)}")
-
-
-def _add_service_args(p: argparse.ArgumentParser) -> None:
-    """serve: limits, keepalive, auth/TLS and metrics flags (sizes accept K/M/G suffixes)."""
-    from splitspec.shared.config import parse_size
-
-    d = ServerLimits
-    p.add_argument("--max-request-bytes", type=parse_size, default=d.max_receive_bytes, help="largest request message")
-    p.add_argument("--max-reply-bytes", type=parse_size, default=d.max_send_bytes, help="largest reply message")
-    p.add_argument("--max-session-kv-tokens", type=int, default=None, help="KV budget per session, tokens")
-    p.add_argument("--max-session-kv-bytes", type=parse_size, default=None, help="KV budget per session, bytes")
-    p.add_argument("--max-kv-tokens", type=int, default=None, help="KV budget over all sessions, tokens")
-    p.add_argument("--max-kv-bytes", type=parse_size, default=d.max_total_kv_bytes, help="KV budget over all sessions, bytes")
-    p.add_argument("--rate-limit", type=float, default=0.0,
-                   help="OpenSession/Verify calls per second per client (token, else certificate, else address); "
-                        "0 = off (the default: one worker already bounds throughput; e.g. 50 on a shared server)")
-    p.add_argument("--rate-burst", type=int, default=d.rate_limit_burst, help="calls a client may make at once")
-    p.add_argument("--keepalive", type=float, default=d.keepalive_time_s, help="ping interval, s")
-    p.add_argument("--keepalive-timeout", type=float, default=d.keepalive_timeout_s, help="ping ack deadline, s")
-    p.add_argument("--min-ping-interval", type=float, default=d.min_ping_interval_s,
-                   help="clients may ping this often, s (must not exceed the clients' keepalive)")
-    p.add_argument("--grace", type=float, default=5.0, help="on SIGTERM/SIGINT: seconds in-flight steps may finish")
-    p.add_argument("--auth-token-file", default=None,
-                   help="accepted bearer tokens, one per line (else $SPLITSPEC_AUTH_TOKENS; none = no auth)")
-    p.add_argument("--tls-cert", default=None, help="PEM server certificate chain (enables TLS)")
-    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    p.add_argument("--tls-client-ca", default=None, help="PEM CA that client certificates must chain to (mTLS)")
-    p.add_argument("--metrics-port", type=int, default=None, help="export Prometheus metrics on this port")
-    p.add_argument("--metrics-host", default="127.0.0.1")
-
-
-def _server_security(args):
-    """ServerSecurity from the serve flags and $SPLITSPEC_AUTH_TOKENS (files read here, once)."""
-    from pathlib import Path
-
-    from splitspec.shared.config import ServerSecurity, read_tokens, tokens_from_env
-
-    read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
-    tokens = read_tokens(args.auth_token_file) if args.auth_token_file else tokens_from_env()
-    return ServerSecurity(tokens=tokens, tls_cert=read(args.tls_cert), tls_key=read(args.tls_key),
-                          tls_client_ca=read(args.tls_client_ca))
-
-
-def cmd_serve(args) -> None:
-    from splitspec.server.runner import TargetRunner
-    from splitspec.server.service import serve
-    from splitspec.shared.models import load_model
-
-    serve_kw = dict(security=_server_security(args), grace_s=args.grace, metrics_port=args.metrics_port,
-                    metrics_host=args.metrics_host)
-
-    from splitspec.shared.drafters.checkpoint import TargetIdentity, checkpoint_id, load_checkpoint
-
-    from .drafters import checkpoint_path
-
-    model, tokenizer, model_id = load_model(args.target, device=args.device, dtype=args.dtype)
-    identity = TargetIdentity.of(model, tokenizer, model_id)
-    lsa_modules = {}
-    for name in args.lsa:
-        path = checkpoint_path(name, args.target)
-        kind, module, _ = load_checkpoint(path, identity, dtype=model.dtype)
-        if kind != "moa":
-            raise ValueError(f"--lsa {name}: {path} is a {kind} checkpoint, not moa")
-        lsa_modules[checkpoint_id(path)] = module.to(args.device)
-    limits = ServerLimits(max_sessions=args.max_sessions, max_tree_nodes=args.max_tree_nodes,
-                          max_context=args.max_context, session_idle_ttl_s=args.session_ttl,
-                          max_receive_bytes=args.max_request_bytes, max_send_bytes=args.max_reply_bytes,
-                          max_session_kv_tokens=args.max_session_kv_tokens,
-                          max_session_kv_bytes=args.max_session_kv_bytes, max_total_kv_tokens=args.max_kv_tokens,
-                          max_total_kv_bytes=args.max_kv_bytes, rate_limit_per_s=args.rate_limit or None,
-                          rate_limit_burst=args.rate_burst, keepalive_time_s=args.keepalive,
-                          keepalive_timeout_s=args.keepalive_timeout, min_ping_interval_s=args.min_ping_interval)
-    runner = TargetRunner(model, tokenizer, model_id, lsa_modules)
-    if args.link is None:
-        asyncio.run(serve(runner, args.host, args.port, limits, **serve_kw))
-        return
-    from splitspec.netsim.cli import serve_behind_link
-
-    serve_behind_link(lambda host, port, on_bound: serve(runner, host, port, limits, on_bound=on_bound, **serve_kw),
-                      args.link, args.backend, args.host, args.port)
-
-
-@dataclass
-class ClientSetup:
-    """What generate and chat need: the loop, the tokenizer, the sampling parameters."""
-
-    decoder: object
-    tokenizer: object
-    sampling: SamplingParams
-    mode: str
-
-
-def build_client(args) -> ClientSetup:
-    """Connect (or load the target locally), build the drafter, check tokenizer identity.
+def client_config(args):
+    """The ClientConfig (client/build.py) of the generate / chat flags.
 
     Raises:
-        TokenizerMismatch / ValueError: the client's tokenizer differs from the target's.
+        ValueError: a bad --drafter or tree size.
     """
-    from splitspec.shared.models import load_model, load_tokenizer, tokenizer_fingerprint
+    from .build import ClientConfig
 
-    from .drafters import make_drafter
-    from .loop import OfflinePolicy, SpeculativeDecoder
-
-    if args.local:
-        from splitspec.server.runner import TargetRunner
-
-        from .verifier import LocalVerifier
-
-        model, tokenizer, model_id = load_model(args.target, device=args.device, dtype=args.dtype)
-        verifier = LocalVerifier(TargetRunner(model, tokenizer, model_id))
-        mode = "single-device"
-    else:
-        from .transport import RemoteVerifier, load_client_security
-
-        tokenizer = load_tokenizer(args.target)
-        verifier = RemoteVerifier(args.server, args.timeout, args.connect_timeout, step_timeout_s=args.step_timeout,
-                                  **load_client_security(args.auth_token_file, args.tls_ca, args.tls_cert, args.tls_key))
-        mode = f"split via {args.server}"
-        if tokenizer_fingerprint(tokenizer) != verifier.info.tokenizer_fingerprint:
-            raise ValueError(f"the tokenizer of {args.target} differs from the server's target "
-                             f"{verifier.info.model_id}; pass --target naming the server's model")
     tree = TreeConfig(depth=args.tree_depth, top_b=args.tree_top_b, max_nodes=args.tree_nodes)
-    drafter = make_drafter("none" if args.no_spec else args.drafter,
-                           target_fingerprint=verifier.info.tokenizer_fingerprint, tree=tree,
-                           device=args.device, dtype=args.dtype, seed=args.seed, target=args.target,
-                           target_model=verifier.runner.model if args.local else None,
-                           lsa_placement=args.lsa_placement, quantization=FEATURE_QUANT[args.feature_quant],
-                           draft_vocab=args.draft_vocab)
-    sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
-    policy = OfflinePolicy(enabled=not args.no_offline, on_reconnect=args.on_reconnect)
-    return ClientSetup(SpeculativeDecoder(verifier, drafter, policy), tokenizer, sampling, mode)
+    drafter = DrafterSpec.parse("none" if args.no_spec else args.drafter, lsa=args.lsa_placement,
+                                quant=args.feature_quant, vocab=args.draft_vocab, tree=tree)
+    return ClientConfig(
+        target=args.target, drafter=drafter, server=None if args.local else args.server,
+        sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed),
+        offline=OfflinePolicy(enabled=not args.no_offline, on_reconnect=args.on_reconnect),
+        device=args.device, dtype=args.dtype, timeout_s=args.timeout, step_timeout_s=args.step_timeout,
+        connect_timeout_s=args.connect_timeout, auth_token_file=args.auth_token_file, tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert, tls_key=args.tls_key)
 
 
-class TextStream:
-    """Prints the answer as stream events arrive (client/loop.py StreamEvent). Offline text (written
-    by the drafter alone while the link is down) is dim until the target confirms it; private text
-    (reproduced from a <private> span on this device) is underlined; when the target rewrites offline
-    text, a marker shows where and the corrected text follows. Whole-answer decoding keeps
-    multi-byte characters intact."""
-
-    STYLE = {"offline": "\x1b[2m", "private": "\x1b[4m"}
-
-    def __init__(self, tokenizer, out=sys.stdout) -> None:
-        self.tokenizer, self.out = tokenizer, out
-        self.color = hasattr(out, "isatty") and out.isatty()
-        self.ids: list[int] = []
-        self.printed = 0  # characters of the decoded answer already written
-
-    def __call__(self, event) -> None:
-        if event.kind == "retract":
-            del self.ids[event.start:]
-            self.printed = len(self._text())
-            self.out.write(" [link back: the target rewrote the offline text from here] ")
-        elif event.kind == "kept":
-            self.out.write(" [link back: offline text kept] ")
-        elif event.kind == "tokens":
-            self.ids.extend(event.tokens)
-            text = self._text()
-            if text.endswith("\ufffd"):  # an incomplete character: wait for its next byte
-                return
-            piece = text[self.printed:]
-            style = self.STYLE.get(event.source) if self.color else None
-            self.out.write(f"{style}{piece}\x1b[0m" if style and piece else piece)
-            self.printed = len(text)
-        self.out.flush()
-
-    def _text(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
-
-
-def _encode(setup: "ClientSetup", args, messages: list[dict[str, str]]):
+def _encode(setup, args, messages: list[dict[str, str]]):
     """Prompt ids and, when the messages hold <private> spans, the PrivacyGuard for them."""
-    from .privacy import PrivacyGuard, encode_private_chat, placeholder_token
-
     ids, mask = encode_private_chat(setup.tokenizer, messages)
     guard = PrivacyGuard(tuple(ids), tuple(mask), placeholder_token(setup.tokenizer), args.private_ngram)
     return ids, (guard if guard.active else None)
@@ -329,8 +117,14 @@ def _messages(args, history: list[dict[str, str]]) -> list[dict[str, str]]:
     return ([{"role": "system", "content": args.system}] if args.system else []) + history
 
 
-def cmd_generate(args) -> None:
-    setup = build_client(args)
+def _setup(args, local_verifier):
+    from .build import build_client
+
+    return build_client(client_config(args), local_verifier)
+
+
+def cmd_generate(args, local_verifier=None) -> None:
+    setup = _setup(args, local_verifier)
     prompt_ids, privacy = _encode(setup, args, _messages(args, [{"role": "user", "content": args.prompt}]))
     stream = None if args.json else TextStream(setup.tokenizer)
     gen = setup.decoder.generate(prompt_ids, args.max_new_tokens, setup.sampling, on_event=stream, privacy=privacy)
@@ -345,10 +139,8 @@ def cmd_generate(args) -> None:
     setup.decoder.verifier.close()
 
 
-def cmd_chat(args) -> None:
-    from .history import ChatHistory, default_path
-
-    setup = build_client(args)
+def cmd_chat(args, local_verifier=None) -> None:
+    setup = _setup(args, local_verifier)
     history_db = ChatHistory(args.history or default_path())
     conversation = history_db.last_conversation() if args.resume else None
     history: list[dict[str, str]] = []
@@ -397,22 +189,3 @@ def cmd_chat(args) -> None:
         print()
     history_db.close()
     setup.decoder.verifier.close()
-
-
-def _quiet_libraries() -> None:
-    import os
-    import warnings
-
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    warnings.filterwarnings("ignore", category=UserWarning)
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -24,7 +24,7 @@ from splitspec.shared.features import FeatureBatch
 from splitspec.v1 import verify_pb2 as pb
 from splitspec.v1 import verify_pb2_grpc as pb_grpc
 
-from .verifier import CallStats, LinkDown, OpenResult, ServerInfo, SessionLost, StepResult, Verifier, VerifierSession
+from splitspec.shared.verifier import CallStats, LinkDown, OpenResult, ServerInfo, SessionLost, StepResult, Verifier, VerifierSession
 
 log = logging.getLogger(__name__)
 

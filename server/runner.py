@@ -15,7 +15,7 @@ from splitspec.shared import kv
 from splitspec.shared.features import FeatureBatch, FeatureRequest
 from splitspec.shared.drafters.moa import stack_layer_kv
 from splitspec.shared.acceptance import AcceptResult, SparseProbs, accept_greedy, accept_sampling
-from splitspec.shared.sampling import SamplingParams, make_generator, sample, warp_probs
+from splitspec.shared.sampling import SamplingParams, Stream, make_generator, sample, warp_probs
 from splitspec.shared.tree import ROOT, DraftTree, tree_buffers
 
 
@@ -75,7 +75,7 @@ class TargetRunner:
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True,
                          output_hidden_states=bool(features.hidden_layers), logits_to_keep=1)
         forward_ms = (time.perf_counter() - start) * 1e3
-        generator = make_generator(sampling.seed)
+        generator = make_generator(sampling.seed, Stream.TARGET)
         last = out.logits[0, -1]  # [V]
         first = int(last.argmax()) if sampling.greedy else sample(warp_probs(last, sampling), generator)
         session = TargetSession(sampling, features, cache, first, generator)

@@ -1,4 +1,4 @@
-"""Configuration dataclasses, built from the command line in one place (client/cli.py), and the
+"""Configuration dataclasses, built from the command line in one place (each room's cli.py), and the
 readers of the secrets some of them hold (bearer tokens, PEM files)."""
 from __future__ import annotations
 

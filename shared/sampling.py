@@ -6,8 +6,10 @@ is lossless with respect to exactly this distribution (seed 002, Leviathan et al
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -72,7 +74,28 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
-def make_generator(seed: int) -> torch.Generator:
+class Stream(enum.IntEnum):
+    """The parties that draw random numbers for one answer; each gets its own stream.
+
+    Lossless speculative sampling (seed 002, Leviathan et al. 2023, §2.3) assumes the draft is
+    independent of the target's acceptance draws: seeding both with the user's seed would make the
+    target's uniforms a replay of the drafter's.
+    """
+
+    TARGET = 0  # the server's session: the first token, acceptance uniforms, bonus / recovered tokens
+    DRAFTER = 1  # the drafter: sampled draft trees, and so the text it writes alone while offline
+
+
+def stream_seed(seed: int, stream: Stream) -> int:
+    """A 63-bit seed for `stream`, derived from the user's `seed` by numpy's SeedSequence with the
+    stream as spawn key (what `SeedSequence(seed).spawn()` gives its children), so that the streams
+    are independent and each is reproducible from `seed` alone."""
+    state = np.random.SeedSequence(seed, spawn_key=(int(stream),)).generate_state(1, np.uint64)
+    return int(state[0]) >> 1
+
+
+def make_generator(seed: int, stream: Stream) -> torch.Generator:
+    """The torch generator of `stream` for the user's `seed` (see `stream_seed`)."""
     gen = torch.Generator()
-    gen.manual_seed(seed % (2**63))
+    gen.manual_seed(stream_seed(seed, stream))
     return gen

@@ -1,4 +1,5 @@
-"""Shared fixtures: small real and random models, an in-process verify service, oracle drafters."""
+"""Shared fixtures: small real and random models, an in-process verify service (plain helpers:
+tests/helpers.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,14 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from splitspec.client.drafters import Drafter, Proposal
 from splitspec.server.runner import TargetRunner
 from splitspec.shared.config import ServerLimits
-from splitspec.shared.tree import DraftTree
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-STORIES = Path(os.environ.get("SPLITSPEC_STORIES", SHARED / "models" / "stories260K" / "hf"))
-SPEC_BENCH = SHARED / "data" / "spec_bench" / "question.jsonl"
+from .helpers import STORIES
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -108,40 +105,3 @@ def serve():
     yield start
     for s in started:
         s.stop()
-
-
-def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
-    """Target-only greedy decoding with transformers' generate(), EOS disabled."""
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-class OracleDrafter(Drafter):
-    """Knows the reference continuation. `right=True`: each depth holds the correct token, placed
-    after `wrong_siblings` wrong ones; `right=False`: every proposed token is wrong."""
-
-    def __init__(self, prompt: list[int], reference: list[int], vocab: int, *, right: bool,
-                 depth: int = 4, wrong_siblings: int = 1) -> None:
-        self.full = list(prompt) + list(reference)
-        self.vocab, self.right, self.depth, self.wrong = vocab, right, depth, wrong_siblings
-        self.name = "always-right" if right else "always-wrong"
-
-    def reset(self, prompt_ids, features) -> None:
-        pass
-
-    def propose(self, context, limits, sampling) -> Proposal:
-        truth = self.full[len(context): len(context) + min(self.depth, limits.max_depth)]
-        tokens, parents, parent = [], [], -1
-        for tok in truth:
-            wrongs = [(tok + k) % self.vocab for k in range(1, self.wrong + 1)]
-            for w in wrongs:
-                tokens.append(w)
-                parents.append(parent)
-            if not self.right:
-                parent = len(tokens) - 1  # descend through a wrong node: nothing below is reachable
-                continue
-            tokens.append(tok)
-            parents.append(parent)
-            parent = len(tokens) - 1
-        return Proposal(DraftTree(tuple(tokens), tuple(parents)))

@@ -8,25 +8,26 @@ import math
 import pytest
 import torch
 
-from splitspec.client.bench import ArrivalClock, BenchConfig, MethodOptions, method_options, open_link
+from splitspec.bench.bench import ArrivalClock, BenchConfig, open_link
 from splitspec.shared.config import TreeConfig
-from splitspec.client.bench_metrics import (ALL, GroupKey, aggregate, feature_bytes, goals, quantile, speedup,
+from splitspec.shared.drafters.spec import DrafterSpec
+from splitspec.bench.metrics import (ALL, BenchRecord, GroupKey, aggregate, feature_bytes, goals, quantile, speedup,
                                             token_gaps_ms, vs_remote_ar, vs_single_device_ar)
-from splitspec.client.bench_report import PLOTS, client_server_table, render_markdown, write_plots
-from splitspec.client.cli import build_parser, main
+from splitspec.bench.report import PLOTS, client_server_table, render_markdown, write_plots
+from splitspec.cli.main import build_parser, main
 
 META = {"target": "tiny", "commit": "abc123", "machine": "test box", "seed": 0, "max_new_tokens": 8}
 
 
 def record(mode, method, profile, category="writing", *, tokens=8, calls=8, elapsed=1.0, up=0, down=0,
-           open_up=0, open_down=0, server_ms=None, itl=(), quant=None, lsa=None, exact=True) -> dict:
-    return {**META, "mode": mode, "method": method, "profile": profile, "category": category, "id": category,
+           open_up=0, open_down=0, server_ms=None, itl=(), quant=None, lsa=None, exact=True) -> BenchRecord:
+    return BenchRecord.from_json({**META, "mode": mode, "method": method, "profile": profile, "category": category, "id": category,
             "new_tokens": tokens, "target_calls": calls, "elapsed_s": elapsed, "bytes_sent": up,
             "bytes_received": down, "open_bytes_sent": open_up, "open_bytes_received": open_down, "server_ms": server_ms, "itl_ms": list(itl), "ttft_ms": 50.0,
-            "quant": quant, "lsa": lsa, "exact": exact, "backend": "relay" if mode == "split" else None}
+            "quant": quant, "lsa": lsa, "exact": exact, "backend": "relay" if mode == "split" else None})
 
 
-def synthetic_run(moa_elapsed: float = 0.4, moa_calls: int = 2) -> list[dict]:
+def synthetic_run(moa_elapsed: float = 0.4, moa_calls: int = 2) -> list[BenchRecord]:
     """generate() and two profiles; on 4g remote AR does 8 tokens/s, eagle2 16, moa 8 / moa_elapsed."""
     rows = [record("local", "generate()", None, elapsed=0.5), record("local", "moa", None, calls=3, elapsed=0.4)]
     for profile, scale in (("lan", 0.5), ("4g", 1.0)):
@@ -145,7 +146,7 @@ def test_markdown_has_the_seed_table_shape_and_the_goals():
     assert "| moa;quant=int8 | server | int8 | 50 | 250 | 0.0 | 1.0 |" in md
     assert "#### 4g: tokens/s by category" in md
     with pytest.raises(ValueError, match="baseline"):
-        render_markdown([r for r in synthetic_run() if r["method"] != "generate()"], META)
+        render_markdown([r for r in synthetic_run() if r.method != "generate()"], META)
 
 
 def test_plots_are_written_as_png(tmp_path):
@@ -159,13 +160,14 @@ def test_plots_are_written_as_png(tmp_path):
 # --- configuration -------------------------------------------------------------------------------
 
 def test_method_options_and_config_errors():
-    assert method_options("moa:tli=1;quant=int8", "server", "fp16") == MethodOptions("moa:tli=1", "server", "int8")
-    assert method_options("eagle2;vocab=0;tree=4x2x8", "client", "fp8") == MethodOptions(
-        "eagle2", "client", "fp8", 0, TreeConfig(depth=4, top_b=2, max_nodes=8))
+    assert DrafterSpec.parse("moa:tli=1;quant=int8", lsa="server") == DrafterSpec("moa", tli=1, lsa="server",
+                                                                                  quant="int8")
+    assert DrafterSpec.parse("eagle2;vocab=0;tree=4x2x8", quant="fp8") == DrafterSpec(
+        "eagle2", quant="fp8", vocab=0, tree=TreeConfig(depth=4, top_b=2, max_nodes=8))
     for bad in ("moa;speed=2", "moa;quant=int4", "moa;lsa", "moa;vocab=many", "moa;vocab=-2", "moa;tree=4x2",
                 "moa;tree=0x2x8", "moa;tree=axbxc"):
         with pytest.raises(ValueError):
-            method_options(bad, "server", "fp16")
+            DrafterSpec.parse(bad, lsa="server")
     parser = build_parser()
     with pytest.raises(ValueError, match="single-device"):
         BenchConfig.from_args(parser.parse_args(["bench", "--local-methods", "moa;quant=int8"]))
@@ -182,7 +184,7 @@ def test_method_options_and_config_errors():
 
 def test_bench_refuses_bad_input_with_a_clear_error(capsys):
     assert main(["bench", "--methods", "moa;colour=red"]) == 2
-    assert "unknown method options" in capsys.readouterr().err
+    assert "unknown drafter options" in capsys.readouterr().err
     assert main(["bench", "--profiles", "lan,6g"]) == 2
     assert "unknown link profile '6g'" in capsys.readouterr().err
 

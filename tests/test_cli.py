@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from splitspec.client.cli import main
+from splitspec.cli.main import main
 from splitspec.server.runner import TargetRunner
 
-from .conftest import reference_greedy
+from .helpers import reference_greedy
 
 
 def _run(capsys, argv):
@@ -79,10 +79,11 @@ def test_chat_commands_and_history(stories_path, monkeypatch, capsys, tmp_path):
 
 def test_tokenizer_mismatch_is_refused(stories_path, serve, stories, capsys, tiny_random):
     model, tokenizer, model_id = stories
-    from splitspec.client.drafters import TokenizerMismatch, make_drafter
+    from splitspec.client.drafters.factory import TokenizerMismatch, make_drafter
+    from splitspec.shared.drafters.spec import DrafterSpec
 
     with pytest.raises(TokenizerMismatch):
-        make_drafter(f"draft-model:{stories_path}@layers=1", target_fingerprint="0" * 32)
+        make_drafter(DrafterSpec.parse(f"draft-model:{stories_path}@layers=1"), target_fingerprint="0" * 32)
     server = serve(TargetRunner(model, tokenizer, model_id))
     code, _, err = _run(capsys, ["generate", "--server", server.address, "--target", "smollm2-135m",
                                  "--prompt", "hi", "--max-new-tokens", "5"])
@@ -102,7 +103,7 @@ def test_unreachable_server_is_a_clear_error(stories_path, capsys):
 
 def test_text_stream_marks_offline_text_and_rewrites(stories):
     """The chat shows offline text, confirmations and a rewrite after reconnection."""
-    from splitspec.client.cli import TextStream
+    from splitspec.client.stream import TextStream
     from splitspec.client.loop import StreamEvent
 
     _, tokenizer, _ = stories

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitspec.client.drafters import make_drafter
+from splitspec.client.drafters.factory import make_drafter
 from splitspec.client.drafters.base import DraftLimits
 from splitspec.client.drafters.moa import MoARuntime
 from splitspec.shared.config import TreeConfig
@@ -80,7 +80,8 @@ def test_drafts_stay_inside_the_draft_vocabulary(stories, temperature):
 
 
 def test_make_drafter_uses_the_targets_counts(stories, stories_path, tmp_path, monkeypatch):
-    import splitspec.client.drafters as drafters
+    import splitspec.shared.drafters.shipped as shipped
+    from splitspec.shared.drafters.spec import DEFAULT_DRAFT_VOCAB, DrafterSpec
     from splitspec.shared.drafters.checkpoint import TargetIdentity, save_checkpoint
     from splitspec.shared.drafters.draft_vocab import COUNTS
     from splitspec.shared.drafters.eagle import EagleConfig, EagleDrafter
@@ -89,17 +90,17 @@ def test_make_drafter_uses_the_targets_counts(stories, stories_path, tmp_path, m
     fingerprint = tokenizer_fingerprint(tokenizer)
     save_checkpoint(tmp_path / "eagle", "eagle2", EagleDrafter(EagleConfig.from_target(model.config)),
                     TargetIdentity.of(model, tokenizer, model_id), {})
-    monkeypatch.setattr(drafters, "CHECKPOINTS", tmp_path / "shipped")
+    monkeypatch.setattr(shipped, "CHECKPOINTS", tmp_path / "shipped")
 
     def build(size):
-        return make_drafter(f"eagle2:{tmp_path / 'eagle'}", target_fingerprint=fingerprint, target=str(stories_path),
-                            target_model=model, draft_vocab=size)
+        return make_drafter(DrafterSpec("eagle2", path=str(tmp_path / "eagle"), vocab=size),
+                            target_fingerprint=fingerprint, target=str(stories_path), target_model=model)
 
     assert build(-1).parts.draft_vocab is None  # no counts shipped: the full vocabulary
     with pytest.raises(FileNotFoundError, match="token counts"):
         build(64)
     counts = torch.arange(model.config.vocab_size)  # token i seen i times
-    save_counts(drafters.target_folder(str(stories_path)) / COUNTS, counts, fingerprint, "test")
+    save_counts(shipped.target_folder(str(stories_path)) / COUNTS, counts, fingerprint, "test")
     assert build(64).parts.draft_vocab.tolist() == list(range(model.config.vocab_size - 64, model.config.vocab_size))
     assert build(0).parts.draft_vocab is None
-    assert build(-1).parts.draft_vocab.numel() == min(drafters.DEFAULT_DRAFT_VOCAB, model.config.vocab_size)
+    assert build(-1).parts.draft_vocab.numel() == min(DEFAULT_DRAFT_VOCAB, model.config.vocab_size)

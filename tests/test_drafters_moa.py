@@ -9,9 +9,9 @@ import torch
 
 from splitspec.client.drafters.eagle import EagleRuntime
 from splitspec.client.drafters.moa import MoARuntime
-from splitspec.client.loop import SpeculativeDecoder
+from splitspec.client.loop import OFFLINE, SpeculativeDecoder
 from splitspec.client.transport import RemoteVerifier
-from splitspec.client.verifier import LocalVerifier
+from splitspec.server.local import LocalVerifier
 from splitspec.server.runner import TargetRunner
 from splitspec.shared.config import TreeConfig
 from splitspec.shared.drafters.checkpoint import (CheckpointMismatch, TargetIdentity, checkpoint_id,
@@ -23,7 +23,7 @@ from splitspec.train.objectives import chunk_starts, moa_forward, run_target
 from splitspec.train.trainer import TrainConfig, build_drafter, evaluate, load_examples, train
 from splitspec.v1 import verify_pb2 as pb
 
-from .conftest import reference_greedy
+from .helpers import FAST, EventLog, FlakyVerifier, reference_greedy
 
 
 def _prompt(tokenizer, text="Once upon a time, a little girl named Lily"):
@@ -221,8 +221,6 @@ def test_greedy_equality_split(trained, chat_stories, serve, name, draft_vocab):
 def test_offline_continuation_heals_to_greedy(trained, chat_stories, name):
     """The trained drafters write alone past the verified positions (TLI layers fed their own
     predicted K/V, EAGLE its own predicted features); healed on reconnection, the answer is exact."""
-    from .test_offline import FAST, OFFLINE, EventLog, FlakyVerifier
-
     model, tokenizer, model_id, _ = chat_stories
     kind, module, _ = load_checkpoint(trained[name][0])
     tree = TreeConfig(depth=4, top_b=3, max_nodes=10)

@@ -9,12 +9,12 @@ import pytest
 from splitspec.client.drafters import DraftModelDrafter, NgramDrafter
 from splitspec.client.loop import SpeculativeDecoder
 from splitspec.client.transport import RemoteVerifier
-from splitspec.client.verifier import LocalVerifier
+from splitspec.server.local import LocalVerifier
 from splitspec.server.runner import TargetRunner
 from splitspec.shared.config import TreeConfig
 from splitspec.shared.models import early_exit, encode_chat, load_model
 
-from .conftest import SPEC_BENCH, OracleDrafter, reference_greedy
+from .helpers import SPEC_BENCH, OracleDrafter, reference_greedy
 
 N_NEW = 60
 

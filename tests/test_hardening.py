@@ -776,7 +776,7 @@ def test_cli_serve_with_tls_token_and_metrics(stories_path, pki, tmp_path, capsy
     import subprocess
     import sys
 
-    from splitspec.client.cli import main
+    from splitspec.cli.main import main
 
     for name in ("ca", "server_cert", "server_key"):
         (tmp_path / f"{name}.pem").write_bytes(pki[name])
@@ -784,7 +784,7 @@ def test_cli_serve_with_tls_token_and_metrics(stories_path, pki, tmp_path, capsy
     (tmp_path / "tokens").write_text(f"# accepted tokens\n{token}\n")
     port, metrics_port = _free_port(), _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "splitspec.client.cli", "serve", "--target", str(stories_path), "--port", str(port),
+        [sys.executable, "-m", "splitspec.cli", "serve", "--target", str(stories_path), "--port", str(port),
          "--auth-token-file", str(tmp_path / "tokens"), "--tls-cert", str(tmp_path / "server_cert.pem"),
          "--tls-key", str(tmp_path / "server_key.pem"), "--metrics-port", str(metrics_port), "--rate-limit", "50"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

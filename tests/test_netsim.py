@@ -131,7 +131,7 @@ def test_split_decoding_through_relay(stories, serve):
     from splitspec.client.transport import RemoteVerifier
     from splitspec.server.runner import TargetRunner
 
-    from .conftest import reference_greedy
+    from .helpers import reference_greedy
 
     model, tokenizer, model_id = stories
     server = serve(TargetRunner(model, tokenizer, model_id))

@@ -287,7 +287,7 @@ def test_netsim_run_over_the_relay(tmp_path):
 
 
 def test_netsim_cli_refuses_clearly(capsys):
-    from splitspec.client.cli import main
+    from splitspec.cli.main import main
 
     assert main(["netsim", "run", "--profile", "4g", "--backend", "relay"]) == 2
     assert "give the server command" in capsys.readouterr().err

@@ -147,7 +147,7 @@ def test_split_decoding_across_the_tun_link(stories_path, stories):
     from splitspec.server.runner import TargetRunner
     from splitspec.shared.models import encode_chat
 
-    from .conftest import reference_greedy
+    from .helpers import reference_greedy
 
     model, tokenizer, model_id = stories
     prompt = "Once upon a time, Lily saw a big dog."
@@ -155,7 +155,7 @@ def test_split_decoding_across_the_tun_link(stories_path, stories):
     with make_link(lossy, "tun") as link:
         port, stop = _serve_in_server_namespace(link, TargetRunner(model, tokenizer, model_id))
         try:
-            argv = [sys.executable, "-m", "splitspec.client.cli", "generate", "--server", link.expose(port),
+            argv = [sys.executable, "-m", "splitspec.cli", "generate", "--server", link.expose(port),
                     "--target", str(stories_path), "--drafter", "ngram", "--max-new-tokens", "24", "--json",
                     "--prompt", prompt]
             client = link.popen(argv, "client", stdout=subprocess.PIPE, text=True)

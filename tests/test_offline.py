@@ -10,96 +10,14 @@ import pytest
 from splitspec.client.drafters import DraftModelDrafter, NgramDrafter
 from splitspec.client.loop import KEPT, OFFLINE, TARGET, OfflinePolicy, SpeculativeDecoder
 from splitspec.client.transport import RemoteVerifier
-from splitspec.client.verifier import LinkDown, LocalVerifier, SessionLost, VerifierSession
+from splitspec.shared.verifier import LinkDown
 from splitspec.server.runner import TargetRunner
 from splitspec.shared.config import TreeConfig
 from splitspec.shared.models import load_model
 
-from .conftest import reference_greedy
+from .helpers import FAST, EventLog, FlakyVerifier, reference_greedy
 
 N_NEW = 48
-FAST = OfflinePolicy(backoff_initial_s=0.01, backoff_max_s=0.05, final_wait_s=20)
-
-
-class FlakyVerifier(LocalVerifier):
-    """A local target whose link fails on chosen Verify calls (counted across sessions).
-
-    `fail`: call number -> "before" (the request never reached the server) or "after" (the server
-    ran it; the reply was lost), or "lost" (the server restarted: SessionLost). `down_probes`:
-    how many reconnect probes fail after each failure.
-    """
-
-    def __init__(self, runner, fail: dict[int, str], down_probes: int = 3, gate=None) -> None:
-        """`gate`: optional callable; the link stays down until it returns True as well."""
-        super().__init__(runner)
-        self.fail, self.down_probes, self.gate = dict(fail), down_probes, gate
-        self.calls = 0
-        self.probes_left = 0
-        self.replays = 0
-
-    def open(self, prompt_ids, sampling, features):
-        session, opened = super().open(prompt_ids, sampling, features)
-        return _FlakySession(self, session), opened
-
-    def probe(self, timeout_s: float = 1.0) -> bool:
-        self.probes_left -= 1
-        return self.probes_left < 0 and (self.gate is None or self.gate())
-
-
-class _FlakySession(VerifierSession):
-    def __init__(self, owner: FlakyVerifier, inner) -> None:
-        self.owner, self.inner = owner, inner
-        self.in_flight = None  # (args, result or None)
-
-    def verify(self, tree, draft_probs, forced_tokens=()):
-        assert self.in_flight is None, "a new step while one is unresolved"
-        self.owner.calls += 1
-        how = self.owner.fail.pop(self.owner.calls, None)
-        if how == "lost":
-            raise SessionLost("unknown or expired session")
-        if how is None:
-            return self.inner.verify(tree, draft_probs, forced_tokens)
-        result = self.inner.verify(tree, draft_probs, forced_tokens) if how == "after" else None
-        self.in_flight = ((tree, draft_probs, forced_tokens), result)
-        self.owner.probes_left = self.owner.down_probes
-        raise LinkDown("injected: link down")
-
-    def resume(self):
-        if self.in_flight is None:
-            return None
-        args, result = self.in_flight
-        self.in_flight = None
-        if result is not None:
-            self.owner.replays += 1
-            return result  # the server's record of a step it already ran
-        return self.inner.verify(*args)
-
-    def close(self) -> None:
-        self.inner.close()
-
-
-class EventLog:
-    """Applies stream events to a copy of the answer, checking each token arrives exactly once."""
-
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.sources: list[str] = []
-        self.kinds: list[str] = []
-
-    def __call__(self, event) -> None:
-        self.kinds.append(event.kind)
-        if event.kind == "tokens":
-            assert event.start == len(self.tokens), "a token delivered twice or out of order"
-            self.tokens += event.tokens
-            self.sources += [event.source] * len(event.tokens)
-        elif event.kind == "retract":
-            assert 0 <= event.start < len(self.tokens)
-            del self.tokens[event.start:], self.sources[event.start:]
-        else:
-            span = range(event.start, event.start + event.count)
-            assert all(self.sources[i] == OFFLINE for i in span), "only offline tokens are confirmed or kept"
-            for i in span:
-                self.sources[i] = TARGET if event.kind == "verified" else KEPT
 
 
 @pytest.fixture(scope="module")

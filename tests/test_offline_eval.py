@@ -8,17 +8,18 @@ import pytest
 
 from splitspec.client.drafters import DraftModelDrafter
 from splitspec.client.loop import OFFLINE, TARGET, OfflinePolicy, SpeculativeDecoder
-from splitspec.client.offline_eval import (HARNESS_FALLBACK, HARNESS_PACKAGE, REFERENCE, CutLink, agreement,
+from splitspec.bench.offline_eval import (HARNESS_FALLBACK, HARNESS_PACKAGE, REFERENCE, CutLink, agreement,
                                            build_completion, check_completions, extract_code, humaneval_messages,
                                            interrupted, load_problems, package_exec_enabled)
-from splitspec.client.verifier import LinkDown, LocalVerifier
+from splitspec.server.local import LocalVerifier
+from splitspec.shared.verifier import LinkDown
 from splitspec.server.runner import TargetRunner
 from splitspec.shared.config import TreeConfig
 from splitspec.shared.models import load_model
 from splitspec.shared.sampling import SamplingParams
 from splitspec.shared.tree import DraftTree
 
-from .conftest import OracleDrafter, reference_greedy
+from .helpers import OracleDrafter, reference_greedy
 
 N_NEW = 24
 GIVE_UP = OfflinePolicy(final_wait_s=0.0)
@@ -199,7 +200,7 @@ def test_harness_times_out_a_program_that_never_ends(use_package):
 
 
 def test_prompt_wording_equals_the_bench_humaneval_prompt():
-    from splitspec.client.bench import load_prompts
+    from splitspec.bench.prompts import load_prompts
 
     first = load_problems(None, 1)[0]
     bench = load_prompts(["humaneval"], 1)[0]
@@ -209,7 +210,7 @@ def test_prompt_wording_equals_the_bench_humaneval_prompt():
 # --- the command -------------------------------------------------------------------------------------------
 
 def test_command_end_to_end_on_stories(stories_path, tmp_path, capsys):
-    from splitspec.client.cli import main
+    from splitspec.cli.main import main
 
     problems = tmp_path / "problems.jsonl"
     problems.write_text("".join(json.dumps({**p, "task_id": f"hand/{i}"}) + "\n" for i, p in enumerate([ADD, ADD])))
@@ -239,7 +240,7 @@ def test_command_end_to_end_on_stories(stories_path, tmp_path, capsys):
 
 
 def test_command_rejects_drafters_that_cannot_write_alone(stories_path, tmp_path):
-    from splitspec.client.cli import main
+    from splitspec.cli.main import main
 
     problems = tmp_path / "p.jsonl"
     problems.write_text(json.dumps(ADD) + "\n")
@@ -252,7 +253,7 @@ def test_command_rejects_drafters_that_cannot_write_alone(stories_path, tmp_path
 
 
 def test_summary_rows_from_hand_records():
-    from splitspec.client.offline_eval import markdown_table, summarize
+    from splitspec.bench.offline_eval import markdown_table, summarize
 
     def ref(task, passed):
         return {"task_id": task, "drafter": REFERENCE, "new_tokens": 20, "elapsed_s": 2.0, "passed": passed,

@@ -84,7 +84,7 @@ def _sequential_greedy(model, ids, n):
 def test_forced_tokens_replace_the_pending_token(tiny_random):
     """Forced tokens are committed as sent and the tree is verified below them: the result equals
     a session opened with them in the prompt, and features cover them."""
-    from .conftest import reference_greedy
+    from .helpers import reference_greedy
 
     model, tokenizer, model_id = tiny_random
     runner = TargetRunner(model, tokenizer, model_id)

@@ -139,7 +139,7 @@ def _add_draft_vocab_parser(sub) -> None:
 
 
 def cmd_draft_vocab(args) -> None:
-    from splitspec.client.drafters import target_folder
+    from splitspec.shared.drafters.shipped import target_folder
     from splitspec.shared.drafters.draft_vocab import COUNTS
     from splitspec.train.vocab import make_counts
 

@@ -229,8 +229,9 @@ def trainee_loss(cfg: TrainConfig, t: Trainee, target: TargetBatch, opts: LossOp
 def _vocab_ids(cfg: TrainConfig, tokenizer) -> torch.Tensor | None:
     """Training vocabulary ids [V'] (FR-Spec counts shipped for the target), or None for all.
     train_vocab < 0: the default draft vocabulary size when counts exist, else None."""
-    from splitspec.client.drafters import DEFAULT_DRAFT_VOCAB, target_folder
     from splitspec.shared.drafters.draft_vocab import COUNTS, load_draft_vocab
+    from splitspec.shared.drafters.shipped import target_folder
+    from splitspec.shared.drafters.spec import DEFAULT_DRAFT_VOCAB
     from splitspec.shared.models import tokenizer_fingerprint
 
     counts = target_folder(cfg.target) / COUNTS
@@ -379,23 +380,24 @@ def evaluate(cfg: TrainConfig, drafter, parts, target_model, tokenizer, held, he
 
 
 def measure_tau(cfg, drafter, parts, target_model, tokenizer, conversations, job: DrafterJob | None = None) -> float:
-    """Mean accept length of greedy single-device speculative decoding on the first user turns."""
+    """Accept length tau of greedy single-device speculative decoding on the first user turns,
+    pooled over the answers (`splitspec.shared.records.accept_length`, as the benchmarks report it)."""
     from splitspec.client.drafters.eagle import EagleRuntime
     from splitspec.client.drafters.moa import MoARuntime
     from splitspec.client.loop import SpeculativeDecoder
-    from splitspec.client.verifier import LocalVerifier
+    from splitspec.server.local import LocalVerifier
     from splitspec.server.runner import TargetRunner
     from splitspec.shared.models import encode_chat
+    from splitspec.shared.records import accept_length
 
     job = job or cfg.jobs()[0]
     runtime = (MoARuntime(drafter, parts, EVAL_TREE) if job.kind == "moa" else EagleRuntime(drafter, parts, EVAL_TREE))
     decoder = SpeculativeDecoder(LocalVerifier(TargetRunner(target_model, tokenizer, cfg.target)), runtime)
-    taus = []
+    records = []
     for conv in conversations:
         prompt = encode_chat(tokenizer, [conv[0]])[-cfg.max_len:]
-        taus.append(decoder.generate(prompt, cfg.eval_new_tokens).stats.tau)
-    taus = [t for t in taus if t == t]
-    return sum(taus) / len(taus) if taus else float("nan")
+        records.append(decoder.generate(prompt, cfg.eval_new_tokens).stats.record())
+    return accept_length(records)
 
 
 def model_card(cfg: TrainConfig, t: Trainee, identity: TargetIdentity, state: dict, record: dict) -> str:

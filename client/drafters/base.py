@@ -57,3 +57,15 @@ class Drafter(ABC):
         """The committed context was cut back to its first `length` tokens (offline text healed by the
         target); drop any state for later positions. Features never cover positions >= `length - 1`
         when this is called."""
+
+
+class NoDrafter(Drafter):
+    """Proposes nothing: every target call yields exactly one token (autoregressive baseline)."""
+
+    name = "none"
+
+    def reset(self, prompt_ids, features) -> None:
+        pass
+
+    def propose(self, context, limits, sampling) -> Proposal:
+        return Proposal(DraftTree.empty())

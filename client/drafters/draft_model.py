@@ -14,7 +14,7 @@ import torch
 
 from splitspec.shared import kv
 from splitspec.shared.config import TreeConfig
-from splitspec.shared.sampling import SamplingParams, make_generator
+from splitspec.shared.sampling import SamplingParams, Stream, make_generator
 
 from .base import DraftLimits, Drafter, Proposal
 from .dynamic_tree import build_tree, frontier_mask
@@ -28,7 +28,7 @@ class DraftModelDrafter(Drafter):
         self.tree = tree
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.generator = make_generator(seed)
+        self.generator = make_generator(seed, Stream.DRAFTER)
         self.cache = kv.new_cache(model.config)
 
     def reset(self, prompt_ids, features) -> None:

@@ -16,7 +16,7 @@ from splitspec.shared.config import TreeConfig
 from splitspec.shared.drafters.eagle import EagleDrafter
 from splitspec.shared.drafters.target_parts import TargetParts
 from splitspec.shared.features import FeatureBatch, FeatureRequest
-from splitspec.shared.sampling import SamplingParams, make_generator
+from splitspec.shared.sampling import SamplingParams, Stream, make_generator
 from splitspec.v1 import verify_pb2 as pb
 
 from .base import DraftLimits, Drafter, Proposal
@@ -31,7 +31,7 @@ class EagleRuntime(Drafter):
         self.module, self.parts, self.tree = module, parts, tree
         self.feature_request = FeatureRequest(hidden_layers=(-1,), quantization=quantization)
         self.dtype = parts.embed.weight.dtype
-        self.generator = make_generator(seed)
+        self.generator = make_generator(seed, Stream.DRAFTER)
         self.reset((), FeatureBatch(0, 0))
 
     def reset(self, prompt_ids, features: FeatureBatch) -> None:

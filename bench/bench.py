@@ -1,0 +1,325 @@
+"""`splitspec bench`: every method side by side in one run, so only same-run ratios are compared.
+
+For each prompt (Spec-Bench first turns by category, HumanEval problems) it runs, back to back:
+plain `generate()` on the target (single-device autoregressive, the baseline), the single-device
+reference methods (`--local-methods`), then, for every link profile (`--profiles`), each split
+method (`--methods`) against one verify service process reached through that profile's emulated
+link. Greedy decoding: every method must produce the baseline's tokens, and the run says if one
+did not. Client and server share this machine's cores, each with a pinned torch thread count; the
+figures are ratios within the run, never absolute claims. Metrics: bench/metrics.py; tables and
+plots: bench/report.py; the command line: bench/cli.py.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from tqdm import tqdm
+
+from splitspec.client.drafters.factory import make_drafter
+from splitspec.client.loop import SpeculativeDecoder
+from splitspec.client.transport import RemoteVerifier, load_client_security
+from splitspec.netsim import load_profile
+from splitspec.netsim.backends import RelayBackend
+from splitspec.server.local import LocalVerifier
+from splitspec.server.runner import TargetRunner
+from splitspec.shared.drafters.spec import DrafterSpec
+from splitspec.shared.models import encode_chat, eos_token_ids, load_model
+from splitspec.shared.records import AnswerRecord
+from splitspec.shared.reference import target_greedy
+
+from .cli import BACKENDS
+from .metrics import BASELINE, BenchRecord, token_gaps_ms
+from .prompts import load_prompts
+from .report import render_markdown, write_plots
+from .service_process import free_port, start_server, stop_server
+
+WARMUP_TOKENS = 4
+LOCAL_OPTIONS = ("vocab", "tree")  # ;lsa= and ;quant= only exist with a server
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything a bench run needs, built from the command line in one place."""
+
+    target: str
+    methods: tuple[str, ...]  # split mode
+    local_methods: tuple[str, ...]  # single-device, besides generate()
+    profiles: tuple[str, ...]  # link profile specs; () = loopback without emulation
+    backend: str
+    seed: int
+    threads: int
+    datasets: tuple[str, ...]
+    categories: tuple[str, ...]  # () = all
+    limit: int
+    max_new_tokens: int
+    spec_bench: str | None
+    lsa_placement: str
+    feature_quant: str
+    goal_profile: str
+    out: Path | None
+
+    @classmethod
+    def from_args(cls, args) -> "BenchConfig":
+        """Raises ValueError: bad counts, unknown method options, options on single-device methods,
+        unknown link profiles; FileNotFoundError: a profile .toml that does not exist."""
+        threads = args.threads if args.threads is not None else max(1, (os.cpu_count() or 2) // 2)
+        if threads < 1 or args.limit < 1 or args.max_new_tokens < 1:
+            raise ValueError("--threads, --limit and --max-new-tokens must be >= 1")
+        cfg = cls(args.target, _csv(args.methods), _csv(args.local_methods), _csv(args.profiles), args.backend,
+                  args.seed, threads, _csv(args.datasets), _csv(args.categories), args.limit, args.max_new_tokens,
+                  args.spec_bench, args.lsa_placement, args.feature_quant, args.goal_profile,
+                  Path(args.out) if args.out else None)
+        for m in cfg.methods:
+            cfg.split_spec(m)
+        for m in cfg.local_methods:
+            cfg.local_spec(m)
+        for spec in cfg.profiles:
+            load_profile(spec)  # fail before any model is loaded
+        return cfg
+
+    def split_spec(self, method: str) -> DrafterSpec:
+        """A split method's drafter, --lsa-placement and --feature-quant filling what it leaves out.
+
+        Raises:
+            ValueError: bad drafter grammar (shared/drafters/spec.py).
+        """
+        return DrafterSpec.parse(method, lsa=self.lsa_placement, quant=self.feature_quant)
+
+    @staticmethod
+    def local_spec(method: str) -> DrafterSpec:
+        """A single-device method's drafter: only ;vocab= and ;tree= options.
+
+        Raises:
+            ValueError: bad grammar, or ;lsa= / ;quant= (they only exist with a server).
+        """
+        try:
+            return DrafterSpec.parse(method, options=LOCAL_OPTIONS)
+        except ValueError as err:
+            raise ValueError(f"single-device method {method!r}: {err} (;lsa= and ;quant= only exist with a "
+                             "server)") from None
+
+    def command(self) -> str:
+        """The command line that repeats this run (every option spelled out)."""
+        opts = {"--target": self.target, "--methods": ",".join(self.methods),
+                "--local-methods": ",".join(self.local_methods), "--profiles": ",".join(self.profiles),
+                "--backend": self.backend, "--seed": self.seed, "--threads": self.threads,
+                "--datasets": ",".join(self.datasets), "--categories": ",".join(self.categories),
+                "--limit": self.limit, "--max-new-tokens": self.max_new_tokens, "--spec-bench": self.spec_bench,
+                "--lsa-placement": self.lsa_placement, "--feature-quant": self.feature_quant,
+                "--goal-profile": self.goal_profile, "--out": self.out}
+        words = ["splitspec", "bench"]
+        for flag, value in opts.items():
+            if value not in (None, ""):
+                words += [flag, str(value)]
+        return shlex.join(words)
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+@contextlib.contextmanager
+def open_link(backend: str, profile, upstream: tuple[str, int]) -> Iterator[str]:
+    """Put an emulated link with `profile` (a LinkProfile) in front of `upstream` (host, port) and
+    yield the HOST:PORT a client dials to cross it; the link is torn down on exit. The relay runs in
+    its own process, so the client's Python threads (drafting) cannot delay it.
+
+    Raises:
+        ValueError: a backend this bench cannot drive (tun and netem need the server inside a
+            network namespace: not wired yet).
+    """
+    if backend != "relay":
+        raise ValueError(f"link backend {backend!r} is not supported by bench; available: {', '.join(BACKENDS)}")
+    with RelayBackend(profile, listen_host=upstream[0], own_process=True) as link:
+        yield link.expose(upstream[1])
+
+
+@dataclass
+class Arm:
+    """One (mode, method, profile) combination, measured on every prompt."""
+
+    mode: str  # "local" | "split"
+    method: str
+    decoder: object  # SpeculativeDecoder
+    profile: str | None = None  # None single-device; "loopback" split without emulation
+    backend: str | None = None
+    link: dict | None = None  # the LinkProfile's fields
+    lsa: str | None = None  # MoA LSA placement
+    quant: str | None = None  # feature quantization (moa, eagle2 in split mode)
+
+    @property
+    def label(self) -> str:
+        return f"{self.mode} {self.method}" + (f" @{self.profile}" if self.profile else "")
+
+
+class ArrivalClock:
+    """Records when each token reaches the client. As `on_tokens` of SpeculativeDecoder it gets the
+    token ids of each commit; as a transformers streamer (`put`/`end`) it skips the first `put`,
+    which carries the prompt."""
+
+    def __init__(self, streamer: bool = False) -> None:
+        self.start = time.perf_counter()
+        self.arrivals: list[float] = []  # [N] perf_counter seconds
+        self._skip_prompt = streamer
+
+    def __call__(self, new_ids) -> None:
+        now = time.perf_counter()
+        self.arrivals.extend([now] * len(new_ids))
+
+    def put(self, value) -> None:
+        if self._skip_prompt:
+            self._skip_prompt = False
+            return
+        self(value.reshape(-1).tolist())
+
+    def end(self) -> None:
+        pass
+
+    def latencies(self) -> dict:
+        ttft, gaps = token_gaps_ms(self.start, self.arrivals)
+        return {"ttft_ms": round(ttft, 3), "itl_ms": [round(g, 3) for g in gaps]}
+
+
+def cmd_bench(args) -> None:
+    cfg = BenchConfig.from_args(args)
+    torch.set_num_threads(cfg.threads)
+    prompts = load_prompts(list(cfg.datasets), cfg.limit, cfg.spec_bench, cfg.categories)
+    model, tokenizer, model_id = load_model(cfg.target)
+    meta = {"target": model_id, "commit": source_commit(), "machine": machine_description(cfg.threads),
+            "seed": cfg.seed, "threads": cfg.threads, "max_new_tokens": cfg.max_new_tokens}
+    with contextlib.ExitStack() as stack:
+        arms = build_arms(cfg, stack, model, tokenizer, model_id)
+        records = run_arms(cfg, prompts, arms, model, tokenizer, meta)
+    table = render_markdown(records, meta, cfg)
+    print(table)
+    if cfg.out:
+        cfg.out.mkdir(parents=True, exist_ok=True)
+        (cfg.out / "results.jsonl").write_text("".join(json.dumps(r.to_json()) + "\n" for r in records))
+        (cfg.out / "table.md").write_text(table + "\n")
+        for path in write_plots(records, cfg.out, list(_profile_names(records))):
+            print(f"wrote {path}", file=sys.stderr)
+
+
+def build_arms(cfg: BenchConfig, stack: contextlib.ExitStack, model, tokenizer, model_id) -> list[Arm]:
+    """The local arms, then one server process and, per profile, a link and the split arms.
+    Everything started is registered on `stack` for teardown."""
+    local = LocalVerifier(TargetRunner(model, tokenizer, model_id))
+    fingerprint = local.info.tokenizer_fingerprint
+
+    def drafter(spec: DrafterSpec):
+        return make_drafter(spec, target_fingerprint=fingerprint, target=cfg.target, target_model=model,
+                            seed=cfg.seed)
+
+    arms = [Arm("local", m, SpeculativeDecoder(local, drafter(cfg.local_spec(m)))) for m in cfg.local_methods]
+    if not cfg.methods:
+        return arms
+    specs = {m: cfg.split_spec(m) for m in cfg.methods}
+    links = [(load_profile(spec).with_seed(cfg.seed), cfg.backend) for spec in cfg.profiles] or [(None, None)]
+    hosted = sorted({f"--lsa={s.name}" for s in specs.values() if s.lsa == "server" and s.kind == "moa"})
+    port = free_port()
+    server = start_server(cfg.target, port, extra=hosted, threads=cfg.threads)
+    stack.callback(stop_server, server)
+    drafters = {m: drafter(specs[m]) for m in cfg.methods}  # one per method, reset for every answer
+    for profile, backend in links:
+        address = stack.enter_context(open_link(backend, profile, ("127.0.0.1", port))) if profile else f"127.0.0.1:{port}"
+        verifier = RemoteVerifier(address, **load_client_security())  # $SPLITSPEC_AUTH_TOKEN if the server wants one
+        stack.callback(verifier.close)
+        for m in cfg.methods:
+            spec = specs[m]
+            arms.append(Arm("split", m, SpeculativeDecoder(verifier, drafters[m]),
+                            profile=profile.name if profile else "loopback", backend=backend,
+                            link=profile.to_dict() if profile else None, lsa=spec.lsa if spec.kind == "moa" else None,
+                            quant=spec.quant if spec.kind in ("moa", "eagle2") else None))
+    return arms
+
+
+def run_arms(cfg: BenchConfig, prompts: list[dict], arms: list[Arm], model, tokenizer,
+             meta: dict) -> list[BenchRecord]:
+    """Warm every arm up once, then run generate() and every arm on each prompt in turn.
+    Returns one record per prompt x arm (generate() included); see bench/metrics.py."""
+    eos = list(eos_token_ids(model, tokenizer))
+    warm = encode_chat(tokenizer, [{"role": "user", "content": "Hello."}])
+    run_baseline(model, warm, WARMUP_TOKENS, eos)
+    for arm in arms:
+        arm.decoder.generate(warm, WARMUP_TOKENS)
+    records = []
+    with tqdm(total=len(prompts) * (1 + len(arms)), desc="bench", unit="answer", file=sys.stderr) as bar:
+        for prompt in prompts:
+            ids = encode_chat(tokenizer, [{"role": "user", "content": prompt["text"]}])
+            facts = {**meta, "dataset": prompt["dataset"], "prompt_tokens": len(ids)}
+            bar.set_postfix_str(f"{prompt['category']} generate()")
+            ref, record = run_baseline(model, ids, cfg.max_new_tokens, eos)
+            records.append(replace(record, category=prompt["category"], id=prompt["id"], details=facts))
+            bar.update()
+            for arm in arms:
+                bar.set_postfix_str(f"{prompt['category']} {arm.label}")
+                record = run_arm(arm, ids, cfg.max_new_tokens, ref)
+                records.append(replace(record, category=prompt["category"], id=prompt["id"],
+                                       details={**facts, **record.details}))
+                bar.update()
+    return records
+
+
+def run_baseline(model, ids: list[int], max_new_tokens: int, eos: list[int]) -> tuple[list[int], BenchRecord]:
+    """generate() on the target alone: its answer [N] and its record (one target call per token)."""
+    clock = ArrivalClock(streamer=True)
+    out = target_greedy(model, ids, max_new_tokens, eos, streamer=clock)
+    elapsed = time.perf_counter() - clock.start
+    latencies = clock.latencies()
+    answer = AnswerRecord(len(out), len(out), round(elapsed, 4))
+    return out, BenchRecord("local", BASELINE, None, "", "", answer, tuple(latencies["itl_ms"]), latencies["ttft_ms"],
+                            details={"tokens_per_s": round(len(out) / elapsed, 3), "tau": 1.0})
+
+
+def run_arm(arm: Arm, ids: list[int], max_new_tokens: int, reference: list[int]) -> BenchRecord:
+    """One answer of one arm: its stats, latencies and whether it equals `reference` [N]."""
+    clock = ArrivalClock()
+    gen = arm.decoder.generate(ids, max_new_tokens, on_tokens=clock)
+    s = gen.stats
+    answer = replace(s.record(), elapsed_s=round(s.elapsed_s, 3), server_ms=round(s.server_ms, 3))
+    latencies = clock.latencies()
+    details = {**s.as_dict(), "server_forward_ms": round(sum(c.server_forward_ms for c in s.calls), 3),
+               "rtt_ms": round(s.rtt_ms, 3)}
+    return BenchRecord(arm.mode, arm.method, arm.profile, "", "", answer, tuple(latencies["itl_ms"]),
+                       latencies["ttft_ms"], gen.tokens == reference, arm.backend, arm.link, arm.lsa, arm.quant,
+                       details)
+
+
+def _profile_names(records: list[BenchRecord]) -> Iterator[str]:
+    return iter(dict.fromkeys(r.profile for r in records if r.mode == "split"))
+
+
+def source_commit() -> str:
+    """The checkout's HEAD (12 hex digits), '-dirty' when tracked files differ; 'unknown' outside git."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, check=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("-dirty" if dirty else "")
+
+
+def machine_description(threads: int) -> str:
+    """CPU model, logical CPU count, OS, torch version and the pinned thread count."""
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return (f"{cpu}, {os.cpu_count()} logical CPUs, {platform.system()} {platform.release()}, "
+            f"torch {torch.__version__}, CPU inference, {threads} torch thread(s) per process")

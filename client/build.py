@@ -1,0 +1,90 @@
+"""Assemble a client: the verifier (remote, or the in-process one the caller supplies), the
+drafter and the loop, from one `ClientConfig`.
+
+The client imports no server code: single-device mode gets its verifier from a `LocalVerifierFactory`
+that the composition root (cli/main.py) passes in (server/local.py `load_local_verifier`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from splitspec.shared.drafters.spec import DrafterSpec
+from splitspec.shared.models import load_tokenizer, tokenizer_fingerprint
+from splitspec.shared.sampling import SamplingParams
+from splitspec.shared.verifier import Verifier
+
+from .drafters.factory import make_drafter
+from .loop import SpeculativeDecoder
+from .reconnect import OfflinePolicy
+from .transport import RemoteVerifier, load_client_security
+
+# (target, device, dtype) -> (a verifier running the target in this process, its tokenizer)
+LocalVerifierFactory = Callable[[str, str, str], tuple[Verifier, object]]
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """What a client needs, built from the generate / chat flags in one place (client/cli.py).
+
+    server: the verify service's HOST:PORT (split mode); None = single-device, the target loaded here.
+    *_timeout_s: deadlines of Info/OpenSession calls, of each Verify step, of the first connection.
+    auth_token_file, tls_*: PEM / token files of the channel (client/transport.py).
+    """
+
+    target: str
+    drafter: DrafterSpec
+    server: str | None = "127.0.0.1:50051"
+    sampling: SamplingParams = SamplingParams()
+    offline: OfflinePolicy = OfflinePolicy()
+    device: str = "cpu"
+    dtype: str = "float32"
+    timeout_s: float = 60.0
+    step_timeout_s: float = 10.0
+    connect_timeout_s: float = 10.0
+    auth_token_file: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+
+@dataclass
+class ClientSetup:
+    """What generate and chat need: the loop, the tokenizer, the sampling parameters."""
+
+    decoder: SpeculativeDecoder
+    tokenizer: object
+    sampling: SamplingParams
+    mode: str
+
+
+def build_client(cfg: ClientConfig, local_verifier: LocalVerifierFactory | None = None) -> ClientSetup:
+    """Connect (or load the target locally), build the drafter, check tokenizer identity.
+
+    Raises:
+        ValueError: single-device mode without `local_verifier`; the client's tokenizer differs
+            from the server's target (TokenizerMismatch for a drafter's).
+        LinkDown: the server is unreachable within cfg.connect_timeout_s.
+    """
+    if cfg.server is None:
+        if local_verifier is None:
+            raise ValueError("single-device mode needs the in-process verifier (splitspec.server)")
+        verifier, tokenizer = local_verifier(cfg.target, cfg.device, cfg.dtype)
+        mode = "single-device"
+    else:
+        tokenizer = load_tokenizer(cfg.target)
+        verifier = _connect(cfg)
+        mode = f"split via {cfg.server}"
+        if tokenizer_fingerprint(tokenizer) != verifier.info.tokenizer_fingerprint:
+            raise ValueError(f"the tokenizer of {cfg.target} differs from the server's target "
+                             f"{verifier.info.model_id}; pass --target naming the server's model")
+    drafter = make_drafter(cfg.drafter, target_fingerprint=verifier.info.tokenizer_fingerprint, target=cfg.target,
+                           target_model=verifier.target_model, device=cfg.device, dtype=cfg.dtype,
+                           seed=cfg.sampling.seed)
+    return ClientSetup(SpeculativeDecoder(verifier, drafter, cfg.offline), tokenizer, cfg.sampling, mode)
+
+
+def _connect(cfg: ClientConfig) -> RemoteVerifier:
+    security = load_client_security(cfg.auth_token_file, cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
+    return RemoteVerifier(cfg.server, cfg.timeout_s, cfg.connect_timeout_s, step_timeout_s=cfg.step_timeout_s,
+                          **security)

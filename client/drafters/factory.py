@@ -1,0 +1,102 @@
+"""The one factory that builds a drafter from its `DrafterSpec` (shared/drafters/spec.py).
+
+moa and eagle2 draft among the target's `spec.vocab` most frequent tokens (FR-Spec; counts in
+client/checkpoints/<target>/token_counts.safetensors, see shared/drafters/draft_vocab.py).
+"""
+from __future__ import annotations
+
+from splitspec.shared.drafters.checkpoint import TargetIdentity, checkpoint_id, load_checkpoint
+from splitspec.shared.drafters.draft_vocab import COUNTS, load_draft_vocab
+from splitspec.shared.drafters.shipped import target_folder
+from splitspec.shared.drafters.spec import DEFAULT_DRAFT_VOCAB, DrafterSpec
+from splitspec.shared.drafters.target_parts import TargetParts
+from splitspec.shared.models import load_model, load_tokenizer, tokenizer_fingerprint
+from splitspec.v1 import verify_pb2 as pb
+
+from .base import Drafter, NoDrafter
+from .draft_model import DraftModelDrafter
+from .eagle import EagleRuntime
+from .moa import MoARuntime
+from .ngram import NgramDrafter
+
+FEATURE_QUANT = {"fp16": pb.QUANTIZATION_NONE, "int8": pb.QUANTIZATION_INT8, "fp8": pb.QUANTIZATION_FP8_E4M3}
+
+
+class TokenizerMismatch(ValueError):
+    """The drafter tokenizes differently from the target: its drafts would be meaningless."""
+
+
+def make_drafter(spec: DrafterSpec, *, target_fingerprint: str, target: str | None = None, target_model=None,
+                 device: str = "cpu", dtype: str = "float32", seed: int = 0) -> Drafter:
+    """Build the drafter `spec` names.
+
+    Args:
+        target_fingerprint: the tokenizer fingerprint of the target the drafts are for.
+        target / target_model: the target (name, and the loaded model if at hand) whose frozen
+            parts the self-drafting drafters (moa, eagle2) reuse; `target` also picks `auto`.
+        device, dtype: where a draft-model drafter runs.
+        seed: the user's seed; drafters draw from its Stream.DRAFTER stream (shared/sampling.py).
+    Raises:
+        ValueError: moa / eagle2 without a target, or a checkpoint of another kind.
+        TokenizerMismatch: a drafter whose tokenizer fingerprint differs from the target's.
+        FileNotFoundError: spec.vocab > 0 for a target without token counts.
+        CheckpointMismatch: a checkpoint trained for another target.
+    """
+    spec = spec.resolve(target)
+    if spec.kind in ("moa", "eagle2"):
+        return _self_drafter(spec, target_fingerprint=target_fingerprint, target=target, target_model=target_model,
+                             seed=seed)
+    if spec.kind == "none":
+        return NoDrafter()
+    if spec.kind == "ngram":
+        return NgramDrafter()
+    model, tokenizer, model_id = load_model(spec.model, device=device, dtype=dtype)
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    if fingerprint != target_fingerprint:
+        raise TokenizerMismatch(f"drafter {model_id} tokenizer {fingerprint} differs from the target's "
+                                f"{target_fingerprint}")
+    drafter = DraftModelDrafter(model, spec.tree, seed=seed)
+    drafter.name = spec.name
+    return drafter
+
+
+def _self_drafter(spec: DrafterSpec, *, target_fingerprint: str, target: str | None, target_model,
+                  seed: int) -> Drafter:
+    """A moa or eagle2 runtime on the target's frozen parts (see make_drafter)."""
+    if target is None:
+        raise ValueError(f"{spec.kind} needs the target model (--target) for its embedding and LM head")
+    path = spec.checkpoint(target)
+    if target_model is None:
+        target_model, tokenizer, model_id = load_model(target)
+    else:
+        tokenizer, model_id = load_tokenizer(target), target
+    identity = TargetIdentity.of(target_model, tokenizer, model_id)
+    if identity.tokenizer_fingerprint != target_fingerprint:
+        raise TokenizerMismatch(f"{target} tokenizes differently from the server's target")
+    dtype = target_model.get_output_embeddings().weight.dtype
+    _, module, meta = load_checkpoint(path, identity, dtype=dtype)
+    if meta["kind"] != spec.kind:
+        raise ValueError(f"{path} holds a {meta['kind']} drafter, not {spec.kind}")
+    parts = TargetParts(target_model, module.config.tli if spec.kind == "moa" else 0)
+    parts.restrict_vocab(draft_vocab_ids(target, spec.vocab, target_fingerprint))
+    quantization = FEATURE_QUANT[spec.quant]
+    if spec.kind == "eagle2":
+        return EagleRuntime(module, parts, spec.tree, quantization=quantization, seed=seed)
+    lsa_id = checkpoint_id(path) if spec.lsa == "server" else ""
+    return MoARuntime(module, parts, spec.tree, lsa_placement=spec.lsa, lsa_id=lsa_id, quantization=quantization,
+                      seed=seed)
+
+
+def draft_vocab_ids(target: str, size: int, fingerprint: str):
+    """Token ids [N] for TargetParts.restrict_vocab, or None for the full vocabulary.
+
+    Raises:
+        FileNotFoundError: size > 0 and no token counts ship for `target`.
+    """
+    counts = target_folder(target) / COUNTS
+    if size == 0 or (size < 0 and not counts.exists()):
+        return None
+    if not counts.exists():
+        raise FileNotFoundError(f"no token counts for {target} ({counts}); make them with `splitspec draft-vocab` "
+                                "or pass --draft-vocab 0")
+    return load_draft_vocab(counts, DEFAULT_DRAFT_VOCAB if size < 0 else size, fingerprint)

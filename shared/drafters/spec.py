@@ -1,0 +1,148 @@
+"""`DrafterSpec`: a drafter named on the command line, parsed once into a frozen value.
+
+Grammar (`generate --drafter`, `bench --methods`, `serve --lsa`, `offline-eval --drafters`):
+
+    NAME[;lsa=client|server][;quant=fp16|int8|fp8][;vocab=N][;tree=DEPTHxTOPBxNODES]
+    NAME = auto | none | ngram | draft-model:MODEL[@layers=N] | moa[:tli=N | :PATH] | eagle2[:PATH]
+
+`auto` is the MoA checkpoint shipped for the target, else `ngram`; moa and eagle2 without a PATH
+use the checkpoint shipped for the target (shared/drafters/shipped.py). The options are MoA's LSA
+placement, the features' quantization (moa, eagle2), the draft vocabulary (moa, eagle2: the N most
+frequent tokens, 0 = full, -1 = the default) and the EAGLE-2 draft tree. Options left out take the
+defaults the caller passes (the command's --lsa-placement, --feature-quant, ... flags).
+The server uses the same grammar for the MoA checkpoints whose LSA it hosts, hence shared/.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from splitspec.shared.config import TreeConfig
+
+from .shipped import default_checkpoint, has_shipped_checkpoint
+
+KINDS = ("auto", "none", "ngram", "draft-model", "moa", "eagle2")
+SELF_DRAFTING = ("moa", "eagle2")  # drafters built on the target's own frozen parts
+LSA_PLACEMENTS = ("client", "server")
+QUANTIZATIONS = ("fp16", "int8", "fp8")
+OPTIONS = ("lsa", "quant", "vocab", "tree")
+DEFAULT_DRAFT_VOCAB = 8192  # vocab=-1: this many tokens when the target has shipped token counts, else full
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """One drafter and its options; `parse` reads the grammar above and `str` writes it back.
+
+    kind: one of KINDS. model: draft-model's MODEL[@layers=N]. tli: moa's shipped checkpoint
+    moa-tli<N>. path: a moa / eagle2 checkpoint folder instead of the shipped one.
+
+    Raises:
+        ValueError: an unknown kind, a missing or misplaced argument, an option out of range.
+    """
+
+    kind: str
+    model: str | None = None
+    tli: int | None = None
+    path: str | None = None
+    lsa: str = "client"  # MoA: Layer Self-Attention on this device or on the server
+    quant: str = "fp16"  # quantization of the features the server sends
+    vocab: int = -1  # draft vocabulary size: -1 = DEFAULT_DRAFT_VOCAB when counts ship, 0 = full
+    tree: TreeConfig = TreeConfig()
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown drafter {self.kind!r}; expected none, ngram, draft-model:MODEL[@layers=N], "
+                             "moa[:tli=N|:PATH] or eagle2[:PATH]")
+        if (self.kind == "draft-model") != bool(self.model):
+            raise ValueError("draft-model needs a model: draft-model:MODEL[@layers=N]" if self.kind == "draft-model"
+                             else f"{self.kind} takes no model")
+        if (self.tli is not None and self.kind != "moa") or (self.path and self.kind not in SELF_DRAFTING):
+            raise ValueError(f"{self.kind} takes no tli= or checkpoint path")
+        if self.tli is not None and self.tli < 0:
+            raise ValueError(f"moa:tli=N needs N >= 0, got {self.tli}")
+        if self.lsa not in LSA_PLACEMENTS or self.quant not in QUANTIZATIONS:
+            raise ValueError(f"{self.name!r}: lsa must be client|server and quant fp16|int8|fp8")
+        if self.vocab < -1:
+            raise ValueError(f"{self.name!r}: vocab must be >= 0")
+
+    @classmethod
+    def parse(cls, text: str, *, options: tuple[str, ...] = OPTIONS, **defaults) -> "DrafterSpec":
+        """Parse `text`; `defaults` (lsa, quant, vocab, tree) fill the options it leaves out.
+
+        Raises:
+            ValueError: bad grammar, or an option not among `options`.
+        """
+        name, *pairs = text.strip().split(";")
+        try:
+            given = dict(pair.split("=", 1) for pair in pairs)
+        except ValueError:
+            raise ValueError(f"drafter options are key=value, got {text!r}") from None
+        unknown = set(given) - set(options)
+        if unknown:
+            raise ValueError(f"unknown drafter options {sorted(unknown)} in {text!r}; expected "
+                             + ", ".join(f"{o}=" for o in options))
+        return replace(cls(**_name_fields(name), **defaults), **_option_fields(given, text))
+
+    @property
+    def name(self) -> str:
+        """The drafter without its options: `moa:tli=1`, `draft-model:MODEL`, `eagle2:PATH`."""
+        arg = self.model or self.path or (f"tli={self.tli}" if self.tli is not None else "")
+        return f"{self.kind}:{arg}" if arg else self.kind
+
+    def __str__(self) -> str:
+        """The name and every option that differs from the class defaults."""
+        defaults = DrafterSpec("none")
+        words = [self.name]
+        words += [f"{key}={getattr(self, key)}" for key in ("lsa", "quant", "vocab")
+                  if getattr(self, key) != getattr(defaults, key)]
+        if self.tree != defaults.tree:
+            words.append(f"tree={self.tree.depth}x{self.tree.top_b}x{self.tree.max_nodes}")
+        return ";".join(words)
+
+    def resolve(self, target: str | None) -> "DrafterSpec":
+        """`auto` made concrete: moa when a checkpoint ships for `target`, else ngram."""
+        if self.kind != "auto":
+            return self
+        return replace(self, kind="moa" if has_shipped_checkpoint(target) else "ngram")
+
+    def checkpoint(self, target: str) -> Path:
+        """The checkpoint folder of a moa or eagle2 drafter for `target`.
+
+        Raises:
+            ValueError: not a moa or eagle2 drafter.
+        """
+        if self.kind not in SELF_DRAFTING:
+            raise ValueError(f"{self.name!r} is not a moa or eagle2 drafter")
+        return Path(self.path) if self.path else default_checkpoint(target, self.kind, self.tli or 0)
+
+
+def _name_fields(name: str) -> dict:
+    """kind and argument fields of NAME (see the module docstring)."""
+    kind, _, arg = name.partition(":")
+    if not arg:
+        return {"kind": kind}
+    if kind == "draft-model":
+        return {"kind": kind, "model": arg}
+    if kind == "moa" and arg.startswith("tli="):
+        try:
+            return {"kind": kind, "tli": int(arg.removeprefix("tli="))}
+        except ValueError:
+            raise ValueError(f"moa:tli=N needs an integer, got {name!r}") from None
+    return {"kind": kind, "path": arg}
+
+
+def _option_fields(given: dict[str, str], text: str) -> dict:
+    """lsa / quant / vocab / tree fields from the key=value options of `text`."""
+    fields = {key: given[key] for key in ("lsa", "quant") if key in given}
+    try:
+        if "vocab" in given:
+            fields["vocab"] = int(given["vocab"])
+        if "tree" in given:
+            sizes = given["tree"].split("x")
+            if len(sizes) != 3:
+                raise ValueError
+            fields["tree"] = TreeConfig(*map(int, sizes))
+    except ValueError:
+        raise ValueError(f"{text!r}: vocab is an integer (0 = full vocabulary) and tree is DEPTHxTOPBxNODES, "
+                         "each >= 1") from None
+    return fields

@@ -1,0 +1,27 @@
+"""The target alone: plain transformers greedy decoding, the baseline of every lossless claim
+(greedy speculative output must equal it token for token) and of every speed-up."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def target_greedy(model, prompt_ids: Sequence[int], max_new_tokens: int,
+                  eos_token_ids: Sequence[int] | None = None, streamer=None) -> list[int]:
+    """The target's greedy continuation of `prompt_ids` [P] with `generate()`.
+
+    Args:
+        eos_token_ids: stop after the first of these (included in the answer); None disables EOS,
+            so exactly `max_new_tokens` tokens come back.
+        streamer: a transformers streamer (`put` / `end`), e.g. to time each token's arrival.
+    Returns:
+        The new token ids [N], N <= max_new_tokens.
+    """
+    stop = dict(eos_token_id=list(eos_token_ids), pad_token_id=eos_token_ids[0]) if eos_token_ids else \
+        dict(eos_token_id=None, pad_token_id=0, min_new_tokens=max_new_tokens)
+    out = model.generate(torch.tensor([list(prompt_ids)]), max_new_tokens=max_new_tokens, do_sample=False,
+                         streamer=streamer, **stop)[0, len(prompt_ids):].tolist()
+    if eos_token_ids:
+        out = out[: next((i + 1 for i, t in enumerate(out) if t in eos_token_ids), len(out))]
+    return out
