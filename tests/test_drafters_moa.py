@@ -133,7 +133,7 @@ def trained(chat_stories, stories_path, tmp_path_factory):
     for kind, tli in (("moa", 0), ("moa", 1), ("eagle2", 0)):
         cfg = TrainConfig(drafter=kind, target=str(stories_path), out=tmp_path_factory.mktemp(f"{kind}{tli}"), tli=tli,
                           max_tokens=10_000, epochs=6, batch=4, lr=3e-3, heldout=6, eval_every=1000, eval_prompts=2,
-                          eval_new_tokens=20, conversations=convs, seed=0)
+                          eval_new_tokens=20, conversations=convs, seed=0, dtype="float32")
         torch.manual_seed(cfg.seed)
         fresh = build_drafter(cfg, model.config)
         parts = TargetParts(model, tli)

@@ -88,8 +88,8 @@ def test_drafter_list_parsing():
 
 
 def _small(stories_path, out, **kw) -> TrainConfig:
-    base = dict(drafter="moa,eagle2", target=str(stories_path), out=out, max_tokens=1200, batch=4, lr=2e-3,
-                heldout=3, eval_every=1000, eval_prompts=1, eval_new_tokens=6, conversations=_conversations(40, 1),
+    base = dict(drafter="moa,eagle2", target=str(stories_path), out=out, max_tokens=500, batch=4, lr=2e-3,
+                heldout=2, eval_every=1000, eval_prompts=1, eval_new_tokens=4, conversations=_conversations(40, 1),
                 seed=5)
     return TrainConfig(**{**base, **kw})
 
