@@ -363,7 +363,7 @@ def evaluate(cfg: TrainConfig, drafter, parts, target_model, tokenizer, held, he
                           "device": "cpu"})
     losses, top1, shuffled, rows = 0.0, 0.0, 0.0, 0
     for i in range(0, len(held_examples), max(1, cfg.batch)):
-        target = run_target_batch(target_model, make_batch(held_examples[i: i + cfg.batch]))
+        target = run_target_batch(target_model, make_batch(held_examples[i: i + cfg.batch]), _layer_inputs([probe]))
         state = probe.rng.getstate()
         loss, m = trainee_loss(fp32, probe, target, opts, parts)
         losses, top1, rows = losses + loss.item() * m["rows"], top1 + m["top1"] * m["rows"], rows + m["rows"]
