@@ -660,6 +660,7 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+@pytest.mark.slow  # 40-90 s on a loaded 2-core VM
 def test_load_concurrent_sessions(spied, serve):
     """8 concurrent clients x 10 steps, 3 rounds, against max_sessions = 6: exactly the 2 surplus
     opens per round are refused (RESOURCE_EXHAUSTED), nothing else fails. After every round no
