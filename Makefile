@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # Extra pytest arguments, e.g. `make test PYTEST_ARGS="-k service"`.
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo proto bench clean
+.PHONY: setup test test-slow test-all demo proto bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +17,16 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# The default tier: everything but the tests marked slow (training runs, SmolLM2, server child
+# processes) or netsim (tens of seconds of emulated links each). `make test-slow` runs those,
+# `make test-all` both; .ci/run runs `make test`, then the slow tier in the time that is left.
 test: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow and not netsim" $(PYTEST_ARGS)
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m "slow or netsim" $(PYTEST_ARGS)
+
+test-all: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 demo: $(STAMP)

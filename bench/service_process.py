@@ -18,7 +18,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(target: str, port: int, timeout_s: float = 300.0, extra: list[str] = (),
+def start_server(target: str, port: int, timeout_s: float = 900.0, extra: list[str] = (),
                  threads: int | None = None) -> subprocess.Popen:
     """Start `splitspec serve` as a child process and wait until its health check says SERVING.
     `threads` pins the server's torch threads (OMP_NUM_THREADS, read by torch at start-up).

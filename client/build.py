@@ -29,6 +29,8 @@ class ClientConfig:
 
     server: the verify service's HOST:PORT (split mode); None = single-device, the target loaded here.
     *_timeout_s: deadlines of Info/OpenSession calls, of each Verify step, of the first connection.
+    busy_wait_s: how long OpenSession is retried while the server is full for now (its session
+      limit, KV budget or this client's rate); 0 = fail at once.
     auth_token_file, tls_*: PEM / token files of the channel (client/transport.py).
     """
 
@@ -42,6 +44,7 @@ class ClientConfig:
     timeout_s: float = 60.0
     step_timeout_s: float = 10.0
     connect_timeout_s: float = 10.0
+    busy_wait_s: float = 60.0
     auth_token_file: str | None = None
     tls_ca: str | None = None
     tls_cert: str | None = None
@@ -58,8 +61,10 @@ class ClientSetup:
     mode: str
 
 
-def build_client(cfg: ClientConfig, local_verifier: LocalVerifierFactory | None = None) -> ClientSetup:
+def build_client(cfg: ClientConfig, local_verifier: LocalVerifierFactory | None = None,
+                 on_busy: Callable[[str], None] | None = None) -> ClientSetup:
     """Connect (or load the target locally), build the drafter, check tokenizer identity.
+    `on_busy(message)`: told why and how long the client waits while the server is full.
 
     Raises:
         ValueError: single-device mode without `local_verifier`; the client's tokenizer differs
@@ -73,7 +78,7 @@ def build_client(cfg: ClientConfig, local_verifier: LocalVerifierFactory | None 
         mode = "single-device"
     else:
         tokenizer = load_tokenizer(cfg.target)
-        verifier = _connect(cfg)
+        verifier = _connect(cfg, on_busy)
         mode = f"split via {cfg.server}"
         if tokenizer_fingerprint(tokenizer) != verifier.info.tokenizer_fingerprint:
             raise ValueError(f"the tokenizer of {cfg.target} differs from the server's target "
@@ -84,7 +89,7 @@ def build_client(cfg: ClientConfig, local_verifier: LocalVerifierFactory | None 
     return ClientSetup(SpeculativeDecoder(verifier, drafter, cfg.offline), tokenizer, cfg.sampling, mode)
 
 
-def _connect(cfg: ClientConfig) -> RemoteVerifier:
+def _connect(cfg: ClientConfig, on_busy: Callable[[str], None] | None) -> RemoteVerifier:
     security = load_client_security(cfg.auth_token_file, cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
     return RemoteVerifier(cfg.server, cfg.timeout_s, cfg.connect_timeout_s, step_timeout_s=cfg.step_timeout_s,
-                          **security)
+                          busy_wait_s=cfg.busy_wait_s, on_busy=on_busy, **security)

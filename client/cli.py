@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict
 from functools import partial
 
@@ -81,6 +82,9 @@ def add_client_args(p: argparse.ArgumentParser, chat: bool = False) -> None:
     p.add_argument("--step-timeout", type=float, default=10.0,
                    help="deadline of each Verify step, s; missing it continues offline")
     p.add_argument("--connect-timeout", type=float, default=10.0, help="wait for the server, s")
+    p.add_argument("--busy-wait", type=float, default=60.0,
+                   help="while the server is full (max sessions, KV budget, rate limit), retry opening a "
+                        "session with backoff for this long, s (0 = fail at once)")
     p.add_argument("--on-reconnect", default="heal", choices=["heal", "keep"],
                    help="offline text the target rejects: replace it with the target's continuation, or keep it")
     p.add_argument("--no-offline", action="store_true",
@@ -118,7 +122,7 @@ def client_config(args):
         sampling=SamplingParams(temperature, top_p, args.top_k, args.seed),
         offline=OfflinePolicy(enabled=not args.no_offline, on_reconnect=args.on_reconnect),
         device=args.device, dtype=args.dtype, timeout_s=args.timeout, step_timeout_s=args.step_timeout,
-        connect_timeout_s=args.connect_timeout, auth_token_file=args.auth_token_file, tls_ca=args.tls_ca,
+        connect_timeout_s=args.connect_timeout, busy_wait_s=args.busy_wait, auth_token_file=args.auth_token_file, tls_ca=args.tls_ca,
         tls_cert=args.tls_cert, tls_key=args.tls_key)
 
 
@@ -136,7 +140,12 @@ def _messages(args, history: list[dict[str, str]]) -> list[dict[str, str]]:
 def _setup(args, local_verifier):
     from .build import build_client
 
-    return build_client(client_config(args), local_verifier)
+    return build_client(client_config(args), local_verifier, on_busy=_say_waiting)
+
+
+def _say_waiting(message: str) -> None:
+    """Tell the user on stderr why the client waits (stdout may hold --json output)."""
+    print(f"splitspec: {message}", file=sys.stderr, flush=True)
 
 
 def cmd_generate(args, local_verifier=None) -> None:

@@ -5,6 +5,8 @@ stats show exactly what crossed the wire (gRPC compression stays off: tensors ar
 The channel is plaintext, or TLS / mTLS when a CA or client certificate is given; a bearer token
 rides as call credentials over TLS (or as metadata over plaintext, for loopback and test set-ups).
 Keepalive pings notice a dead link within keepalive_time + keepalive_timeout.
+An OpenSession refused with RESOURCE_EXHAUSTED and a retry hint (the server is full for now: its
+session limit, its KV budget or the client's rate) is retried with backoff for `busy_wait_s`.
 """
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ import collections
 import ipaddress
 import logging
 import os
+import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -136,6 +140,9 @@ class RemoteVerifier(Verifier):
     the client offline: keep it short), `connect_timeout_s` the wait for the first connection. `token`: bearer token;
     `tls_ca`, `client_cert`, `client_key`: PEM bytes for TLS / mTLS (see `make_channel`);
     `options`: gRPC channel arguments (`channel_options(...)`, default CHANNEL_OPTIONS).
+    `busy_wait_s`: how long `open` keeps retrying while the server refuses it for now
+    (RESOURCE_EXHAUSTED with a retry hint: at its session limit, KV budget or this client's rate);
+    0 = not at all. `on_busy(message)` is told before each wait, why and for how long.
 
     Raises:
         ConnectionError: the server cannot be reached (or the TLS handshake fails) within
@@ -146,10 +153,13 @@ class RemoteVerifier(Verifier):
 
     def __init__(self, address: str, timeout_s: float = 60.0, connect_timeout_s: float = 10.0,
                  token: str | None = None, tls_ca: bytes | None = None, client_cert: bytes | None = None,
-                 client_key: bytes | None = None, options=None, step_timeout_s: float = 10.0) -> None:
+                 client_key: bytes | None = None, options=None, step_timeout_s: float = 10.0,
+                 busy_wait_s: float = 0.0, on_busy: Callable[[str], None] | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.step_timeout_s = step_timeout_s
+        self.busy_wait_s = busy_wait_s
+        self.on_busy = on_busy if on_busy is not None else log.warning
         self.channel = make_channel(address, CHANNEL_OPTIONS if options is None else options, token=token,
                                     tls_ca=tls_ca, client_cert=client_cert, client_key=client_key)
         self.stub = pb_grpc.VerifyServiceStub(self.channel)
@@ -171,9 +181,33 @@ class RemoteVerifier(Verifier):
         request = pb.OpenSessionRequest(prompt_ids=prompt_ids, sampling=sampling.to_pb(pb.SamplingParams),
                                         features=features.to_pb(),
                                         tokenizer_fingerprint=self.info.tokenizer_fingerprint)
-        reply, stats = _call(self.stub.OpenSession, request, self.timeout_s)
+        reply, stats = self._open_when_admitted(request)
         session = _RemoteSession(self, reply.session_id)
         return session, OpenResult(reply.first_token, FeatureBatch.from_pb(reply.features), stats)
+
+    def _open_when_admitted(self, request: pb.OpenSessionRequest):
+        """OpenSession, retried while the server refuses it for now (see `busy_wait_s`), with
+        exponential backoff and jitter, never sooner than the server's hint.
+
+        Raises:
+            grpc.RpcError: any other refusal, or the last busy refusal once `busy_wait_s` is spent.
+        """
+        give_up = time.monotonic() + self.busy_wait_s
+        attempt = 0
+        while True:
+            try:
+                return _call(self.stub.OpenSession, request, self.timeout_s)
+            except grpc.RpcError as err:
+                hint = retry_hint_s(err)
+                left = give_up - time.monotonic()
+                if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or hint is None or left <= 0:
+                    raise
+                backoff = min(BUSY_BACKOFF_MAX_S, hint * 2 ** attempt) * random.uniform(0.5, 1.0)
+                delay = min(max(hint, backoff), left)
+                self.on_busy(f"the verify service is busy ({err.details()}); retrying in {delay:.1f} s "
+                             f"(giving up in {left:.0f} s)")
+                time.sleep(delay)
+                attempt += 1
 
     def close(self) -> None:
         self.channel.close()
@@ -238,6 +272,20 @@ def encode_draft_probs(draft_probs) -> pb.DraftProbs:
 
 
 _LINK_DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+BUSY_BACKOFF_MAX_S = 8.0  # the longest wait between OpenSession retries while the server is full
+
+
+def retry_hint_s(err: grpc.RpcError) -> float | None:
+    """The server's retry hint of a refusal (`grpc-retry-pushback-ms` trailing metadata), in
+    seconds; None when it sent none (the refusal will not pass by waiting)."""
+    try:
+        metadata = dict(err.trailing_metadata() or ())
+    except (AttributeError, TypeError, ValueError):
+        return None
+    try:
+        return max(int(metadata["grpc-retry-pushback-ms"]), 0) / 1e3
+    except (KeyError, ValueError):
+        return None
 
 
 def _call(method, request, timeout_s: float):

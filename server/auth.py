@@ -4,13 +4,16 @@ Every method but the health service needs `authorization: Bearer <token>` metada
 holds tokens. The check is a grpc.aio server interceptor that compares SHA-256 digests of the
 presented token with every accepted one in constant time; a refused call gets UNAUTHENTICATED
 before its request is even parsed. Tokens are never logged; identities derived from them are
-short digests.
+short digests. Refusals are logged aggregated (`RefusalLog`): a flood of unauthenticated calls
+writes one line per interval, not one per call.
 """
 from __future__ import annotations
 
 import hashlib
 import hmac
 import logging
+import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 
 import grpc
@@ -21,6 +24,7 @@ log = logging.getLogger(__name__)
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 _SCHEME = "bearer "
+REFUSAL_LOG_INTERVAL_S = 60.0
 
 
 def _digest(token: str) -> bytes:
@@ -58,15 +62,52 @@ class TokenSet:
         return found
 
 
+class RefusalLog:
+    """Log lines for refused calls, at most one per `interval_s` seconds.
+
+    The first refusal is logged at once; the ones after it are counted by reason and written as one
+    summary line when a refusal arrives `interval_s` or more after the last line. A flood of N
+    refusals over T seconds thus writes at most 1 + T / interval_s lines (the counts of a flood's
+    tail are written with the next refusal). Not thread-safe: call from the event loop.
+    """
+
+    def __init__(self, logger: logging.Logger, what: str, interval_s: float = REFUSAL_LOG_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.logger, self.what, self.interval_s, self.clock = logger, what, interval_s, clock
+        self._counts: Counter[str] = Counter()
+        self._since: float | None = None  # when the last line was written
+
+    def note(self, reason: str) -> bool:
+        """Count one refusal for `reason` (a short fixed phrase, never request data); True when a
+        line was written for it."""
+        now = self.clock()
+        self._counts[reason] += 1
+        if self._since is not None and now - self._since < self.interval_s:
+            return False
+        total = sum(self._counts.values())
+        detail = ", ".join(f"{n} {r}" for r, n in sorted(self._counts.items()))
+        if self._since is None:
+            self.logger.info("%s refused (%s); further refusals are logged as counts at most every %g s",
+                             self.what, detail, self.interval_s)
+        else:
+            self.logger.info("%d %ss refused in the last %.0f s (%s)", total, self.what, now - self._since, detail)
+        self._counts.clear()
+        self._since = now
+        return True
+
+
 class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
     """Refuses calls without a valid bearer token with UNAUTHENTICATED; health calls pass.
 
-    `on_refusal(method)` is told of each refusal (metrics); it must not raise.
+    `on_refusal(method)` is told of each refusal (metrics); it must not raise. Refusals are logged
+    through a `RefusalLog` (`refusal_log`).
     """
 
-    def __init__(self, tokens: TokenSet, on_refusal: Callable[[str], None] | None = None) -> None:
+    def __init__(self, tokens: TokenSet, on_refusal: Callable[[str], None] | None = None,
+                 refusal_log: RefusalLog | None = None) -> None:
         self.tokens = tokens
         self.on_refusal = on_refusal
+        self.refusal_log = refusal_log if refusal_log is not None else RefusalLog(log, "unauthenticated call")
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -78,7 +119,7 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
             return handler
         reason = ("missing 'authorization: Bearer <token>' metadata" if presented is None
                   else "the bearer token is not accepted")
-        log.info("unauthenticated call to %s refused (%s)", method, "no token" if presented is None else "bad token")
+        self.refusal_log.note("without a token" if presented is None else "with a wrong token")
         if self.on_refusal is not None:
             self.on_refusal(method)
         return _refusing_handler(handler, grpc.StatusCode.UNAUTHENTICATED, reason)

@@ -17,6 +17,8 @@ from splitspec.shared.config import ServerLimits
 
 from .validation import ServiceError
 
+BUSY_RETRY_S = 1.0  # retry hint (grpc-retry-pushback-ms) of refusals that last only while others hold the server
+
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     """Bytes of keys + values one cached token costs: 2 x layers x KV heads x head_dim x element size.
@@ -36,8 +38,9 @@ class KVBudget:
 
     `held()` returns the tokens all sessions' caches hold now. A step is admitted with `reserve`
     (on the event loop, before the model work is queued) for the growth from its session's current
-    length to its peak; the worker calls `release` when the model work is over, whether or not the
-    caller still waits. Thread-safe. Bytes are tokens x `bytes_per_token`.
+    length to its peak; `release` is called once when that work item is over: done, failed, or
+    cancelled before it ran (server/service.py `_run`). Thread-safe. Bytes are tokens x
+    `bytes_per_token`.
     """
 
     def __init__(self, limits: ServerLimits, bytes_per_token: int, held: Callable[[], int]) -> None:
@@ -62,7 +65,8 @@ class KVBudget:
 
         Returns the reserved growth (pass it to `release`).
         Raises:
-            ServiceError: RESOURCE_EXHAUSTED naming the budget that would be broken.
+            ServiceError: RESOURCE_EXHAUSTED naming the budget that would be broken; a server-wide
+                budget's refusal carries a retry hint (BUSY_RETRY_S), since closing sessions frees it.
         """
         lim, per_token = self.limits, self.bytes_per_token
         _check("session KV tokens", peak_tokens, lim.max_session_kv_tokens, "tokens")
@@ -70,8 +74,8 @@ class KVBudget:
         growth = max(peak_tokens - current_tokens, 0)
         with self._lock:
             total = self.held() + self._reserved + growth
-            _check("server KV tokens", total, lim.max_total_kv_tokens, "tokens")
-            _check("server KV bytes", total * per_token, lim.max_total_kv_bytes, "bytes")
+            _check("server KV tokens", total, lim.max_total_kv_tokens, "tokens", BUSY_RETRY_S)
+            _check("server KV bytes", total * per_token, lim.max_total_kv_bytes, "bytes", BUSY_RETRY_S)
             self._reserved += growth
         return growth
 
@@ -80,10 +84,11 @@ class KVBudget:
             self._reserved -= growth
 
 
-def _check(what: str, value: int, limit: int | None, unit: str) -> None:
+def _check(what: str, value: int, limit: int | None, unit: str, retry_after_s: float | None = None) -> None:
     if limit is not None and value > limit:
         raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"{what} budget exceeded: this step needs {value} {unit}, the limit is {limit}")
+                           f"{what} budget exceeded: this step needs {value} {unit}, the limit is {limit}",
+                           retry_after_s=retry_after_s)
 
 
 class RateLimiter:

@@ -8,6 +8,12 @@ Admission happens before any model work, in this order: authentication (server/a
 interceptor), request parsing, drain state and the per-client rate limit (`_admitted`),
 validation, session count and KV budgets (server/limits.py). Logs and metrics (server/metrics.py)
 hold counts, sizes and times only, never prompt or output text or token ids.
+
+Threads: the event loop does bookkeeping and O(request size) checks only. Decoding and checking
+draft probabilities (CPU work that grows with rows x vocabulary) runs on a small parse pool, model
+work on the single model worker. A reservation of KV tokens lives exactly as long as the work item
+it was made for (`_run`): it is released when the item finishes, fails or is cancelled while
+queued (its caller gone, or the server shutting down). docs/reliability.md lists every guard.
 """
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ import os
 import signal
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
@@ -34,7 +40,7 @@ from splitspec.v1 import verify_pb2 as pb
 from splitspec.v1 import verify_pb2_grpc as pb_grpc
 
 from .auth import BearerAuthInterceptor, TokenSet, client_identity, server_credentials
-from .limits import KVBudget, RateLimiter, kv_bytes_per_token
+from .limits import BUSY_RETRY_S, KVBudget, RateLimiter, kv_bytes_per_token
 from .metrics import ServiceMetrics
 from .runner import TargetRunner, TargetSession
 from .validation import (ServiceError, check_context, check_draft_probs, check_forced, check_open, check_tree,
@@ -43,6 +49,8 @@ from .validation import (ServiceError, check_context, check_draft_probs, check_f
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "splitspec.v1.VerifyService"
+PARSE_THREADS = 2  # threads that decode and check draft probabilities beside the model worker
+_DROP_NOTICE_S = 0.2  # shutdown: the longest wait, after the grace period, for dropped calls to be told
 
 
 @dataclass
@@ -134,6 +142,8 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         self.eos_ids = eos_token_ids(runner.model, runner.tokenizer)
         self.sessions: dict[bytes, _Entry] = {}
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target")
+        self.parser = ThreadPoolExecutor(max_workers=PARSE_THREADS, thread_name_prefix="parse")
+        self._queued: set[Future] = set()  # model work submitted and not yet finished
         self.kv = KVBudget(limits, kv_bytes_per_token(runner.config, runner.dtype),
                            held=lambda: sum(e.kv_tokens for e in list(self.sessions.values())))
         self.rate = RateLimiter(limits.rate_limit_per_s, limits.rate_limit_burst) if limits.rate_limit_per_s else None
@@ -147,16 +157,48 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
 
     async def _run(self, fn, *args, reserved: int = 0):
         """Run model work on the worker; returns (result, perf_counter time the work started).
-        `reserved` KV tokens are released on the worker once the work is over (the work itself
-        records its session's new cache length first), even if the caller gave up."""
+
+        Takes ownership of `reserved` KV tokens: they are released exactly once, when the work item
+        is over, whichever way: done (after the work recorded its session's new cache length),
+        failed, cancelled while still queued (the caller's deadline passed or it went away: a
+        queued item is dropped, not run), or never queued (the worker is shut down).
+
+        Raises:
+            ServiceError: UNAVAILABLE when shutdown dropped the queued work.
+            asyncio.CancelledError: the call itself was cancelled.
+        """
         def job():
             started = time.perf_counter()
-            try:
-                return fn(*args), started
-            finally:
-                self.kv.release(reserved)
+            return fn(*args), started
 
-        return await asyncio.get_running_loop().run_in_executor(self.worker, job)
+        try:
+            future = self.worker.submit(job)
+        except BaseException:
+            self.kv.release(reserved)
+            raise
+        self._queued.add(future)
+        future.add_done_callback(functools.partial(self._work_over, reserved=reserved))
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            if future.cancelled() and self.draining and not asyncio.current_task().cancelling():
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                                   "the server is shutting down and dropped this queued call; reconnect later") from None
+            raise
+
+    def _work_over(self, future: Future, reserved: int) -> None:
+        """Done callback of a model work item (on the worker, or where it was cancelled)."""
+        self.kv.release(reserved)
+        self._queued.discard(future)
+
+    def drop_queued(self) -> int:
+        """Cancel the model work that has not started (shutdown after the grace period); the item
+        running now finishes. Returns how many items were dropped."""
+        return sum(future.cancel() for future in list(self._queued))
+
+    async def _parse(self, fn, *args, **kwargs):
+        """Run CPU-heavy request checking on the parse pool, off the event loop."""
+        return await asyncio.wrap_future(self.parser.submit(functools.partial(fn, *args, **kwargs)))
 
     def _admit(self, context) -> None:
         if self.draining:
@@ -199,7 +241,8 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         self.evict_idle()
         if len(self.sessions) >= self.limits.max_sessions:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"server holds its maximum of {self.limits.max_sessions} sessions")
+                               f"server holds its maximum of {self.limits.max_sessions} sessions",
+                               retry_after_s=BUSY_RETRY_S)
         reserved = self.kv.reserve(0, len(prompt))
         session_id = os.urandom(16)
         placeholder = _Entry(session_id, None)  # reserve the slot before awaiting the worker
@@ -236,8 +279,8 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
             forced = check_forced(request, vocab_size=self.runner.vocab_size, limits=self.limits)
             draft_probs = {}
             if not entry.session.sampling.greedy and request.HasField("draft_probs"):
-                draft_probs = check_draft_probs(request.draft_probs, tree, vocab_size=self.runner.vocab_size,
-                                                limits=self.limits)
+                draft_probs = await self._parse(check_draft_probs, request.draft_probs, tree,
+                                                vocab_size=self.runner.vocab_size, limits=self.limits)
             reserved = self._reserve_step(entry, request.step, step_positions(tree, forced))
             try:
                 reply, _ = await self._run(self._verify_step, entry, request.step, tree, draft_probs, forced, arrived,
@@ -339,7 +382,11 @@ def _timings(arrived: float, queue_ms: float, forward_ms: float) -> pb.Timings:
 
 
 def server_options(limits: ServerLimits) -> list[tuple[str, int]]:
-    """gRPC channel arguments of the server: message sizes, keepalive, ping policy.
+    """gRPC channel arguments of the server: streams per connection, message sizes, keepalive,
+    ping policy.
+
+    `max_concurrent_streams` is announced in HTTP/2 SETTINGS: a client's further calls on the same
+    connection wait on the client until one of its streams ends (they are not refused).
 
     The server pings every `keepalive_time_s` and drops a connection whose ping is not acknowledged
     within `keepalive_timeout_s`; it accepts client pings as often as every `min_ping_interval_s`
@@ -347,6 +394,7 @@ def server_options(limits: ServerLimits) -> list[tuple[str, int]]:
     """
     ms = lambda s: max(1, round(s * 1e3))  # noqa: E731
     return [
+        ("grpc.max_concurrent_streams", limits.max_concurrent_streams),
         ("grpc.max_receive_message_length", limits.max_receive_bytes),
         ("grpc.max_send_message_length", limits.max_send_bytes),
         ("grpc.so_reuseport", 0),
@@ -405,15 +453,21 @@ async def create_server(runner: TargetRunner, address: str = "127.0.0.1:0",
 
 async def shutdown(server: grpc.aio.Server, servicer: VerifyServicer, health, grace_s: float) -> bool:
     """Graceful shutdown: health NOT_SERVING first, then new OpenSession/Verify calls are refused
-    with UNAVAILABLE while the calls in flight finish (up to `grace_s` seconds), then the server
-    stops (cancelling whatever is left) and the model worker ends. Returns True if all drained."""
+    with UNAVAILABLE while the calls in flight finish (up to `grace_s` seconds). Then the model work
+    still queued is dropped (its callers get UNAVAILABLE), the server stops (cancelling the call
+    whose step is running), and the model worker ends once that step is over: shutdown takes at
+    most `grace_s` + one model step. Returns True if all calls finished within the grace period."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace_s
     await health.enter_graceful_shutdown()
     servicer.draining = True
     drained = await servicer.drained(grace_s)
+    if not drained and servicer.drop_queued():
+        await servicer.drained(_DROP_NOTICE_S)  # let the dropped calls send their UNAVAILABLE
     await server.stop(max(deadline - loop.time(), 0.0))
-    servicer.worker.shutdown(wait=True)
+    servicer.parser.shutdown(wait=False, cancel_futures=True)
+    # the loop stays free while the running step ends, so that cancelled calls unwind cleanly
+    await loop.run_in_executor(None, functools.partial(servicer.worker.shutdown, wait=True, cancel_futures=True))
     return drained
 
 

@@ -122,27 +122,32 @@ def check_draft_probs(msg: pb.DraftProbs, tree: DraftTree, *, vocab_size: int,
                       limits: ServerLimits) -> dict[int, SparseProbs]:
     """Decode and validate the proposal rows of a sampled step.
 
-    Each row must name the root or a tree node, at most once; ids in range; probabilities finite,
-    >= 0, summing to 1 within 1e-3; every child of the row's node must have positive probability
-    and siblings must differ (they were drawn without replacement).
+    Each row must name the root or a tree node, at most once; the tensors' declared dtypes and
+    shapes ([R, S] with R = len(rows) <= N + 1 and S <= limits.max_draft_support) are checked
+    before anything is decompressed, so decoding allocates at most R x S elements per tensor; ids in
+    range; probabilities finite, >= 0, summing to 1 within 1e-3; every child of the row's node must
+    have positive probability and siblings must differ (they were drawn without replacement).
+    CPU work grows with R x V (each row is made dense): the servicer runs this off the event loop.
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT for a malformed message, RESOURCE_EXHAUSTED for rows wider
+            than max_draft_support.
     """
     rows = list(msg.rows)
     if not rows:
         return {}
     if len(set(rows)) != len(rows) or any(not -1 <= r < tree.size for r in rows):
         raise invalid("draft_probs rows must be distinct node indices in [-1, N)")
+    width = _declared_width(msg, len(rows), limits.max_draft_support)
     try:
-        ids = codec.decode(msg.token_ids)
-        probs = codec.decode(msg.probs)
+        ids = codec.decode(msg.token_ids, max_numel=len(rows) * width)
+        probs = codec.decode(msg.probs, max_numel=len(rows) * width)
     except codec.CodecError as err:
         raise invalid(f"draft_probs: {err}") from err
     if ids.dtype != torch.int32 or probs.dtype != torch.float32:
         raise invalid("draft_probs: token_ids must be int32 and probs float32")
     if ids.dim() != 2 or ids.shape != probs.shape or ids.shape[0] != len(rows):
         raise invalid(f"draft_probs: shapes {tuple(ids.shape)} / {tuple(probs.shape)} do not match {len(rows)} rows")
-    if ids.shape[1] > limits.max_draft_support:
-        raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"draft_probs rows hold {ids.shape[1]} entries; the limit is {limits.max_draft_support}")
     if ((ids < 0) | (ids >= vocab_size)).any():
         raise invalid(f"draft_probs: token id outside [0, {vocab_size})")
     if not torch.isfinite(probs).all() or (probs < 0).any():
@@ -160,3 +165,23 @@ def check_draft_probs(msg: pb.DraftProbs, tree: DraftTree, *, vocab_size: int,
             raise invalid(f"a child of node {r} has zero draft probability")
         out[r] = row
     return out
+
+
+def _declared_width(msg: pb.DraftProbs, rows: int, max_width: int) -> int:
+    """S of the [R, S] tensors, read from their declared dtypes and shapes (nothing decoded yet).
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT for a wrong dtype or shape, RESOURCE_EXHAUSTED for S > max_width.
+    """
+    if msg.token_ids.dtype != pb.DTYPE_INT32 or msg.probs.dtype != pb.DTYPE_FLOAT32:
+        raise invalid("draft_probs: token_ids must be int32 and probs float32")
+    shapes = tuple(msg.token_ids.shape), tuple(msg.probs.shape)
+    for shape in shapes:
+        if len(shape) != 2 or shape[0] != rows or shape[1] < 0:
+            raise invalid(f"draft_probs: shapes {shapes[0]} / {shapes[1]} do not match {rows} rows")
+        if shape[1] > max_width:
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"draft_probs rows hold {shape[1]} entries; the limit is {max_width}")
+    if shapes[0] != shapes[1]:
+        raise invalid(f"draft_probs: shapes {shapes[0]} / {shapes[1]} differ")
+    return shapes[0][1]

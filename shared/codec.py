@@ -8,7 +8,10 @@ Quantizations (rows are all axes but the last; one float32 scale per row):
   Error bound: |x - x_hat| <= 2^-4 |x| for |x / scale| >= 2^-6 (normal range, 3 mantissa bits),
   and <= 2^-10 scale below it (subnormal spacing 2^-9).
 Compression: one zstd frame each for data and scales (Codec.ZSTD), gRPC compression stays off.
-Decoding validates everything that came over the wire before touching it.
+Decoding validates everything that came over the wire before touching it: the declared shape is
+checked against the caller's element limit (and MAX_DECODED_BYTES) before anything is inflated,
+and zstd output is capped at the byte size that shape needs, so a small message cannot make the
+decoder allocate more than the limits allow (a decompression bomb).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import zstandard
 from splitspec.v1 import verify_pb2 as pb
 
 MAX_DECODED_BYTES = 256 * 2**20  # refuse to inflate a single tensor past this
+_MAX_AXES = 8  # torch handles more, but no tensor of the protocol has over 3
 
 _DTYPES = {
     pb.DTYPE_FLOAT32: torch.float32,
@@ -38,6 +42,11 @@ _ZSTD_LEVEL = 3
 class CodecError(ValueError):
     """A Tensor message is malformed: unknown dtype, byte length that does not match the shape,
     non-finite scales, or a corrupt zstd frame."""
+
+
+class TensorTooLarge(CodecError):
+    """A Tensor message declares more elements than the caller allows, or more than
+    MAX_DECODED_BYTES once decoded; nothing was inflated."""
 
 
 def encode(tensor: torch.Tensor, quantization: int = pb.QUANTIZATION_NONE,
@@ -68,10 +77,15 @@ def encode(tensor: torch.Tensor, quantization: int = pb.QUANTIZATION_NONE,
                      codec=codec or pb.CODEC_NONE, data=data, scales=scales)
 
 
-def decode(msg: pb.Tensor) -> torch.Tensor:
+def decode(msg: pb.Tensor, max_numel: int | None = None) -> torch.Tensor:
     """Decode and validate a Tensor message.
 
+    `max_numel`: the most elements the caller accepts; a larger declared shape is refused before
+    any byte is inflated. Whatever the limit, a tensor needs at most MAX_DECODED_BYTES decoded, and
+    zstd output never exceeds the bytes the declared shape needs (+1 to detect overlong frames).
+
     Raises:
+        TensorTooLarge: the declared shape exceeds `max_numel` or MAX_DECODED_BYTES.
         CodecError: see the class docstring.
     """
     if msg.dtype not in _DTYPES:
@@ -80,13 +94,20 @@ def decode(msg: pb.Tensor) -> torch.Tensor:
     shape = tuple(msg.shape)
     if any(d < 0 for d in shape):
         raise CodecError(f"negative dimension in shape {shape}")
+    if len(shape) > _MAX_AXES:
+        raise CodecError(f"{len(shape)} axes; at most {_MAX_AXES} are supported")
     numel = math.prod(shape)
+    if max_numel is not None and numel > max_numel:
+        raise TensorTooLarge(f"shape {shape} holds {numel} elements; the limit is {max_numel}")
     quantization = msg.quantization or pb.QUANTIZATION_NONE
     if quantization not in (pb.QUANTIZATION_NONE, pb.QUANTIZATION_INT8, pb.QUANTIZATION_FP8_E4M3):
         raise CodecError(f"unknown quantization {msg.quantization}")
     storage = dtype if quantization == pb.QUANTIZATION_NONE else (
         torch.int8 if quantization == pb.QUANTIZATION_INT8 else torch.float8_e4m3fn)
     itemsize = torch.empty((), dtype=storage).element_size()
+    if numel * dtype.itemsize > MAX_DECODED_BYTES:  # the decoded tensor; its stored form is never larger
+        raise TensorTooLarge(f"shape {shape} of {dtype} needs {numel * dtype.itemsize} bytes decoded; "
+                             f"the limit is {MAX_DECODED_BYTES}")
     data = _inflate(msg.data, msg.codec, numel * itemsize)
     if len(data) != numel * itemsize:
         raise CodecError(f"data holds {len(data)} bytes; shape {shape} of {storage} needs {numel * itemsize}")
@@ -131,6 +152,13 @@ def _from_bytes(data: bytes, storage: torch.dtype, shape: tuple[int, ...]) -> to
 
 
 def _inflate(blob: bytes, codec: int, expected: int) -> bytes:
+    """`blob` decompressed by `codec`: at most `expected` + 1 bytes are ever produced (a frame
+    declaring more is refused from its header; one that does not say is cut off at the cap).
+
+    Raises:
+        TensorTooLarge: `expected` exceeds MAX_DECODED_BYTES. CodecError: unknown codec, corrupt
+            or overlong frame.
+    """
     codec = codec or pb.CODEC_NONE
     if codec == pb.CODEC_NONE:
         return blob
@@ -139,7 +167,7 @@ def _inflate(blob: bytes, codec: int, expected: int) -> bytes:
     if not blob:
         return b""
     if expected > MAX_DECODED_BYTES:
-        raise CodecError(f"tensor of {expected} bytes exceeds the {MAX_DECODED_BYTES}-byte limit")
+        raise TensorTooLarge(f"tensor of {expected} bytes exceeds the {MAX_DECODED_BYTES}-byte limit")
     try:
         declared = zstandard.frame_content_size(blob)  # -1 when the header does not say
         if declared > expected:

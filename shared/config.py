@@ -34,6 +34,10 @@ class ServerLimits:
     session_idle_ttl_s: float = 300.0
     max_draft_support: int = 256  # entries per draft-probability row
     max_receive_bytes: int = 4 * 2**20  # per request message
+    # concurrent calls (HTTP/2 streams) per client connection; a client needs at most 3 (a step, a
+    # health probe, a close) and further calls wait on the client, so 32 bounds what one connection
+    # can make the server buffer (32 x max_receive_bytes) without slowing any real client
+    max_concurrent_streams: int = 32
     max_send_bytes: int = 64 * 2**20  # per reply message
     max_session_kv_tokens: int | None = None
     max_session_kv_bytes: int | None = None

@@ -3,19 +3,45 @@
 The target distribution at a position is softmax(logits / temperature) restricted to the top-k
 tokens and then to the top-p nucleus (Holtzman et al. 2020), renormalised. Speculative decoding
 is lossless with respect to exactly this distribution (seed 002, Leviathan et al. 2023, §2.3).
+
+Numerical safety: a temperature below `MIN_TEMPERATURE` means greedy decoding, on the client and
+on the server alike (both compare the float32 value the wire carries), and the softmax divides
+max-subtracted logits (all <= 0) by the temperature, so no float the proto can carry makes the
+distribution NaN or Inf.
 """
 from __future__ import annotations
 
 import enum
+import struct
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 
+# Temperatures below this are greedy (vLLM uses the same 1e-5 cut-off, `_SAMPLING_EPS`). At T = 1e-5
+# a logit gap of 1e-3 already weighs exp(-100) ~ 4e-44, below float32's smallest normal number, so
+# the sampled distribution is one-hot up to exact ties; greedy gives that without the underflow.
+MIN_TEMPERATURE = 1e-5
+
+
+def as_float32(value: float) -> float:
+    """`value` rounded to float32, the precision of the wire's SamplingParams (inf past its range)."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", value))[0]
+    except OverflowError:
+        return float("inf") if value > 0 else float("-inf")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature == 0 means greedy decoding; top_p in (0, 1]; top_k == 0 disables top-k."""
+    """temperature: 0 (or anything below `MIN_TEMPERATURE`, compared in float32) means greedy
+    decoding; top_p in (0, 1]; top_k == 0 disables top-k.
+
+    Raises:
+        ValueError: a temperature that is negative, NaN or not finite in float32; top_p outside
+            (0, 1]; a negative top_k; a seed outside [0, 2**64).
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -23,8 +49,8 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not (self.temperature >= 0 and self.temperature < float("inf")):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (self.temperature >= 0 and as_float32(self.temperature) < float("inf")):
+            raise ValueError(f"temperature must be a finite float32 number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -34,7 +60,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """True for temperatures below MIN_TEMPERATURE, compared as the float32 the wire carries so
+        that client and server always agree."""
+        return as_float32(self.temperature) < as_float32(MIN_TEMPERATURE)
 
     @classmethod
     def from_pb(cls, msg) -> "SamplingParams":
@@ -47,15 +75,20 @@ class SamplingParams:
 def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities after temperature, top-k and top-p.
 
+    Safe for every temperature SamplingParams admits: the logits are shifted so that their maximum
+    is 0 before dividing by the temperature, so the quotient is <= 0 and never overflows (a tiny
+    temperature gives -inf to all but the maximal logits, and softmax of a row holding a 0 is
+    well-defined).
+
     Args:
-        logits: [..., V] any float dtype.
+        logits: [..., V] any float dtype, finite.
     Returns:
         [..., V] float32 probabilities, each row summing to 1. Greedy params give one-hot argmax rows.
     """
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
+    logits = (logits - logits.amax(-1, keepdim=True)) / params.temperature  # <= 0, the maximum exactly 0
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -70,7 +103,7 @@ def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token id drawn from `probs` [V]."""
+    """One token id drawn from `probs` [V] (>= 0, finite, positive sum; need not be normalised)."""
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 

@@ -91,6 +91,7 @@ class ServerThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
         self.servicer.worker.shutdown(wait=True)
+        self.servicer.parser.shutdown(wait=True)
 
 
 @pytest.fixture

@@ -1,10 +1,13 @@
 """Helpers the tests share (fixtures live in conftest.py): paths of the data beside the checkout,
-the target-only greedy reference, an oracle drafter, a verifier whose link fails on cue, and a
-stream-event log."""
+the target-only greedy reference, an oracle drafter, a verifier whose link fails on cue, a
+stream-event log, and zstd decompression bombs."""
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
+
+import zstandard
 
 from splitspec.client.drafters import Drafter, Proposal
 from splitspec.client.loop import KEPT, OFFLINE, TARGET, OfflinePolicy
@@ -17,6 +20,18 @@ SHARED = Path(__file__).resolve().parents[2] / "shared"
 STORIES = Path(os.environ.get("SPLITSPEC_STORIES", SHARED / "models" / "stories260K" / "hf"))
 SPEC_BENCH = SHARED / "data" / "spec_bench" / "question.jsonl"
 FAST = OfflinePolicy(backoff_initial_s=0.01, backoff_max_s=0.05, final_wait_s=20)
+
+
+@functools.lru_cache(maxsize=None)
+def zstd_zeros(nbytes: int, declare_size: bool) -> bytes:
+    """One zstd frame of `nbytes` zero bytes (a decompression bomb: 256 MiB make ~10 KB), compressed
+    1 MiB at a time so the test never holds them whole; its header states the size when
+    `declare_size`."""
+    compressor = zstandard.ZstdCompressor(level=1, write_content_size=declare_size)
+    stream = compressor.compressobj(size=nbytes if declare_size else -1)
+    chunk = bytes(2**20)
+    parts = [stream.compress(chunk[:min(len(chunk), nbytes - at)]) for at in range(0, nbytes, len(chunk))]
+    return b"".join(parts) + stream.flush()
 
 
 def reference_greedy(model, prompt: list[int], n: int) -> list[int]:

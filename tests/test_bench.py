@@ -191,6 +191,7 @@ def test_bench_refuses_bad_input_with_a_clear_error(capsys):
 
 # --- end to end ----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_bench_small_behind_lan_link(stories_path, tmp_path, capsys):
     out = tmp_path / "bench"
     code = main(["bench", "--target", str(stories_path), "--methods", "none,ngram", "--local-methods", "none",

@@ -77,6 +77,7 @@ def test_chat_commands_and_history(stories_path, monkeypatch, capsys, tmp_path):
     assert code == 0 and "2 earlier messages" in out
 
 
+@pytest.mark.slow
 def test_tokenizer_mismatch_is_refused(stories_path, serve, stories, capsys, tiny_random):
     model, tokenizer, model_id = stories
     from splitspec.client.drafters.factory import TokenizerMismatch, make_drafter
@@ -119,6 +120,7 @@ def test_text_stream_marks_offline_text_and_rewrites(stories):
     assert stream.ids == hello + there
 
 
+@pytest.mark.slow
 def test_demo_runs_end_to_end(stories_path, capsys):
     """`splitspec demo` (what `make demo` runs) on the tiny target: a server process, streamed answers."""
     code, out, err = _run(capsys, ["demo", "--target", str(stories_path), "--drafter", "ngram", "--limit", "1",

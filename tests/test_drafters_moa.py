@@ -147,12 +147,14 @@ def trained(chat_stories, stories_path, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_training_lowers_heldout_loss(trained):
     for name, (_, first, last) in trained.items():
         assert last["heldout_loss"] < 0.9 * first["heldout_loss"], (name, first, last)
         assert last["heldout_top1"] > first["heldout_top1"], (name, first, last)
 
 
+@pytest.mark.slow
 def test_resume_continues(chat_stories, stories_path, tmp_path):
     model, tokenizer, _, convs = chat_stories
     common = dict(drafter="eagle2", target=str(stories_path), out=tmp_path, max_tokens=3000, batch=4, lr=1e-3,
@@ -164,6 +166,7 @@ def test_resume_continues(chat_stories, stories_path, tmp_path):
     assert resumed["heldout_loss"] == pytest.approx(straight["heldout_loss"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_checkpoint_round_trip(trained, stories, tiny_random):
     model, tokenizer, model_id = stories
     path = trained["moa1"][0]
@@ -175,6 +178,7 @@ def test_checkpoint_round_trip(trained, stories, tiny_random):
         load_checkpoint(path, other)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quant", [pb.QUANTIZATION_INT8, pb.QUANTIZATION_FP8_E4M3])
 def test_quantized_features_keep_accept_length(trained, chat_stories, serve, quant):
     """tau with int8 / fp8 features stays within 10% of fp16 (stories260K, split mode, greedy)."""
@@ -192,6 +196,7 @@ def test_quantized_features_keep_accept_length(trained, chat_stories, serve, qua
     assert abs(taus[quant] - taus[pb.QUANTIZATION_NONE]) <= 0.10 * taus[pb.QUANTIZATION_NONE], taus
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,draft_vocab", [("moa0", 0), ("moa1", 0), ("eagle20", 0), ("moa1", 96),
                                                ("eagle20", 96)])
 def test_greedy_equality_split(trained, chat_stories, serve, name, draft_vocab):
@@ -217,6 +222,7 @@ def test_greedy_equality_split(trained, chat_stories, serve, name, draft_vocab):
     assert gen.tokens == ref
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["moa0", "moa1", "eagle20"])
 def test_offline_continuation_heals_to_greedy(trained, chat_stories, name):
     """The trained drafters write alone past the verified positions (TLI layers fed their own

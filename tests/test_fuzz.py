@@ -2,10 +2,13 @@
 
 Whatever a client sends, as well-typed but arbitrary fields or as random bytes on the wire, the
 server answers OK or refuses with a client-error status (never INTERNAL or UNKNOWN), and it stays
-healthy: health says SERVING and a good session verifies afterwards.
+healthy: health says SERVING and a good session verifies afterwards. Sampling parameters are drawn
+from the whole float32 range (subnormals, the largest float, inf, NaN), tensors include
+decompression bombs, and a session survives any refused Verify.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import grpc
@@ -23,6 +26,8 @@ from splitspec.shared.models import tokenizer_fingerprint
 from splitspec.v1 import verify_pb2 as pb
 from splitspec.v1 import verify_pb2_grpc as pb_grpc
 
+from .helpers import zstd_zeros
+
 C = grpc.StatusCode
 SERVER_FAULTS = (C.INTERNAL, C.UNKNOWN)
 LIMITS = ServerLimits(max_tree_nodes=16, max_tree_depth=8, max_prompt_tokens=96, max_context=256,
@@ -33,7 +38,13 @@ FUZZ = settings(max_examples=60, deadline=None, derandomize=True,
 
 int32 = st.integers(-2**31, 2**31 - 1)
 small_ids = st.integers(-3, 600)  # near the 512-token vocabulary, on both sides of its edges
-floats = st.floats(allow_nan=True, allow_infinity=True, width=32)
+floats = st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=True, width=32)
+# float32 values at the edges of the sampling code: subnormals, the smallest normal, near the greedy
+# floor (1e-5), the largest finite float
+edge_floats = st.sampled_from([0.0, -0.0, 1e-45, 1e-38, 3e-38, 1.1754942e-38, 9.99e-6, 1e-5, 1.0001e-5, 1.0,
+                               3.4028234663852886e38, -1e-45, math.inf, -math.inf, math.nan])
+any_float = st.one_of(floats, edge_floats)
+BOMB_BYTES = 2**24  # each bomb frame inflates to 16 MiB (4 M int32 / float32 elements)
 
 
 def mostly(valid, anything):
@@ -74,10 +85,30 @@ def _call(fn):
 
 
 @st.composite
+def bombs(draw):
+    """Small Tensor messages whose zstd frames inflate to BOMB_BYTES (header stating the size or not)
+    under a declared shape that matches, is small, is huge, or has too many axes."""
+    frame = zstd_zeros(BOMB_BYTES, declare_size=draw(st.booleans()))
+    shape = draw(st.sampled_from([[1, BOMB_BYTES // 4], [BOMB_BYTES // 4], [1, 2], [2**20, 4], [1] * 70,
+                                  [BOMB_BYTES // 16, 4]]))
+    msg = pb.Tensor(dtype=draw(st.sampled_from([pb.DTYPE_INT32, pb.DTYPE_FLOAT32])), shape=shape,
+                    codec=pb.CODEC_ZSTD, data=frame)
+    if msg.dtype == pb.DTYPE_FLOAT32 and draw(st.booleans()):
+        msg.quantization = pb.QUANTIZATION_INT8
+        msg.data = draw(st.sampled_from([frame, codec.encode(torch.zeros(1, 2, dtype=torch.int8)).data]))
+        msg.scales = zstd_zeros(BOMB_BYTES, declare_size=draw(st.booleans()))
+    return msg
+
+
+@st.composite
 def tensors(draw):
-    """Tensor messages: arbitrary fields, or a real encoding of a random tensor (maybe corrupted)."""
-    if draw(st.booleans()):
-        shape = draw(st.lists(st.integers(-2, 2**40), max_size=3))
+    """Tensor messages: arbitrary fields, a real encoding of a random tensor (maybe corrupted), or
+    a decompression bomb."""
+    kind = draw(st.sampled_from(["fields", "encoded", "encoded", "bomb"]))
+    if kind == "bomb":
+        return draw(bombs())
+    if kind == "fields":
+        shape = draw(st.lists(st.integers(-2, 2**40), max_size=3) | st.lists(st.just(1), min_size=60, max_size=90))
         return pb.Tensor(dtype=draw(st.integers(0, 9)), shape=shape, quantization=draw(st.integers(0, 4)),
                          codec=draw(st.integers(0, 3)), data=draw(st.binary(max_size=64)),
                          scales=draw(st.binary(max_size=16)))
@@ -98,8 +129,8 @@ def tensors(draw):
 
 @st.composite
 def open_requests(draw, fp: str):
-    sampling = pb.SamplingParams(temperature=draw(mostly(st.sampled_from([0.0, 0.7, 1.0]), floats)),
-                                 top_p=draw(mostly(st.sampled_from([0.0, 0.9, 1.0]), floats)),
+    sampling = pb.SamplingParams(temperature=draw(mostly(st.sampled_from([0.0, 0.7, 1.0]), any_float)),
+                                 top_p=draw(mostly(st.sampled_from([0.0, 0.9, 1.0]), any_float)),
                                  top_k=draw(mostly(st.integers(0, 40), int32)), seed=draw(st.integers(0, 2**64 - 1)))
     features = pb.FeatureSpec(
         hidden_layers=draw(mostly(st.lists(st.integers(-1, 5), max_size=3, unique=True), st.lists(int32, max_size=4))),
@@ -162,6 +193,39 @@ def test_fuzz_verify(target):
             again = _call(lambda: stub.Verify(request, timeout=30))  # a replay of an accepted step
             assert again == reply
         _call(lambda: stub.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id), timeout=10))
+
+    run()
+    assert not server.servicer.sessions
+
+
+@st.composite
+def sampling_params(draw):
+    """Any SamplingParams the proto can carry: temperature and top_p over all float32 values."""
+    return pb.SamplingParams(temperature=draw(any_float), top_p=draw(any_float),
+                             top_k=draw(st.integers(0, 600) | int32), seed=draw(st.integers(0, 2**64 - 1)))
+
+
+def test_fuzz_sampling_and_refused_steps(target):
+    """A session opened with any sampling parameters (or refused with INVALID_ARGUMENT) takes any
+    Verify, and whatever that Verify got, the session goes on with the next good step."""
+    stub, fp, server, _ = target
+    good_probs = pb.DraftProbs(rows=[-1], token_ids=codec.encode(torch.tensor([[5, 6]], dtype=torch.int32)),
+                               probs=codec.encode(torch.tensor([[0.5, 0.5]])))
+
+    @FUZZ
+    @given(sampling=sampling_params(), request=verify_requests())
+    def run(sampling, request):
+        opened = _call(lambda: stub.OpenSession(pb.OpenSessionRequest(
+            prompt_ids=[1, 40, 50, 60], tokenizer_fingerprint=fp, sampling=sampling), timeout=30))
+        if opened is None:
+            return
+        request.session_id = opened.session_id
+        reply = _call(lambda: stub.Verify(request, timeout=30))
+        step = 2 if reply is not None else 1
+        follow = pb.VerifyRequest(session_id=opened.session_id, step=step, tree=pb.DraftTree(tokens=[5], parents=[-1]),
+                                  draft_probs=good_probs)
+        assert stub.Verify(follow, timeout=30).step == step  # the session survived the fuzzed step
+        stub.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id), timeout=10)
 
     run()
     assert not server.servicer.sessions

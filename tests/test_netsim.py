@@ -87,28 +87,43 @@ def _round_trips(port: int, n: int) -> list[float]:
     return out
 
 
+# Timing on these machines: a VM whose process can stall for up to ~1 s at any moment (measured: 60
+# of 3,144 one-millisecond sleeps overslept by 20-886 ms in 20 s, idle machine). A stall can only
+# make a round trip longer, never shorter, so lower bounds (the emulated delay is always added)
+# hold for every sample, and upper bounds (the relay adds nothing beyond the profile) are checked
+# on the best samples: it takes one unstalled round trip to show the relay's own overhead is small.
 def test_relay_round_trip_matches_profile(echo):
     with RelayThread(LinkProfile("t", delay_ms=15.0, jitter_ms=3.0, seed=1), ("127.0.0.1", echo.port)) as relay:
-        rtts = _round_trips(relay.port, 40)
-    assert 27 <= statistics.median(rtts) <= 60, rtts  # 2 x 15 ms plus loopback and scheduling
+        rtts = sorted(_round_trips(relay.port, 40))
+    assert rtts[0] >= 12, rtts  # both one-way delays: 30 ms, sd 4.2 ms (normal jitter); 12 is 4.3 sd below
+    assert rtts[len(rtts) // 10] <= 60, rtts  # 2 x 15 ms plus loopback, on the best tenth
 
 
-def test_relay_rate_limits_bulk(echo):
-    payload = b"y" * 500_000  # 4 Mbit each way through an 8 Mbit/s bottleneck: ~0.5 s
-    with RelayThread(LinkProfile("t", rate_mbit=8.0), ("127.0.0.1", echo.port)) as relay, _connect(relay.port) as s:
+def _bulk_seconds(port: int, payload: bytes) -> float:
+    with _connect(port) as s:
         t = time.perf_counter()
         threading.Thread(target=s.sendall, args=(payload,), daemon=True).start()
         got = 0
         while got < len(payload):
             got += len(s.recv(1 << 16))
-        elapsed = time.perf_counter() - t
-    assert 0.4 <= elapsed <= 1.5, elapsed
+        return time.perf_counter() - t
+
+
+def test_relay_rate_limits_bulk(echo):
+    payload = b"y" * 500_000  # 4 Mbit each way through an 8 Mbit/s bottleneck: ~0.5 s
+    with RelayThread(LinkProfile("t", rate_mbit=8.0), ("127.0.0.1", echo.port)) as relay:
+        times = [_bulk_seconds(relay.port, payload) for _ in range(3)]
+    assert min(times) >= 0.4, times  # the bottleneck is never faster than its rate
+    # and is not far slower, on the best of three: a unit error (bytes for bits) would take 4 s and
+    # more; on a stalling, loaded VM the relay measured 1.0-3.0 s where an idle machine takes ~0.6 s
+    assert min(times) <= 3.0, times
 
 
 def test_relay_loss_stalls_like_a_retransmission(echo):
     with RelayThread(LinkProfile("t", delay_ms=2.0, loss_pct=20.0, seed=3), ("127.0.0.1", echo.port)) as relay:
-        rtts = _round_trips(relay.port, 30)
-    assert statistics.median(rtts) < 50 and max(rtts) >= 200, rtts
+        rtts = sorted(_round_trips(relay.port, 30))
+    assert rtts[0] >= 4.0 and rtts[len(rtts) // 10] < 50, rtts  # most round trips lose nothing
+    assert rtts[-1] >= 200, rtts  # a lost chunk waits out the minimum retransmission timeout
 
 
 def test_relay_cut_and_restore(echo):

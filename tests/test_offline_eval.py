@@ -209,6 +209,7 @@ def test_prompt_wording_equals_the_bench_humaneval_prompt():
 
 # --- the command -------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_command_end_to_end_on_stories(stories_path, tmp_path, capsys):
     from splitspec.cli.main import main
 

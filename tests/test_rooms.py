@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # room -> the rooms it may import; cli (the composition root) may import every room
@@ -36,6 +38,7 @@ assert not [m for m in sys.modules if m.startswith("splitspec.server")]
 """
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch and transformers: 1-2 minutes on a loaded 2-core VM
 def test_the_client_imports_its_loop_transport_and_drafters_without_the_server():
     proc = subprocess.run([sys.executable, "-c", WITHOUT_SERVER], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 import torch
 
 from splitspec.client.drafters import DraftModelDrafter
@@ -30,6 +31,7 @@ def _target_pairs(model, prompt: list[int]) -> dict[tuple[int, int], float]:
     return pairs
 
 
+@pytest.mark.slow  # 40-180 s on a loaded 2-core VM; shared/acceptance.py's own statistical tests stay in the default tier
 def test_split_sampling_follows_the_target_distribution(stories, stories_path, serve):
     """The first token comes from the open call, the second from a Verify step whose depth-1 tree
     the early-exit drafter sampled: their joint distribution over ANSWERS seeded answers is the

@@ -99,6 +99,7 @@ def _weights(path) -> dict:
     return {name: t["drafter"] for name, t in saved["trainees"].items()}
 
 
+@pytest.mark.slow
 def test_drafters_trained_together_equal_alone(stories_path, tmp_path):
     together = train(_small(stories_path, tmp_path / "both"), progress=False)
     assert set(together) == {"moa-tli0", "eagle2"} and "memory_gain" in together["moa-tli0"]
@@ -111,6 +112,7 @@ def test_drafters_trained_together_equal_alone(stories_path, tmp_path):
     assert (tmp_path / "both" / "moa-tli0" / "best" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_max_minutes_stops_and_resume_continues_exactly(stories_path, tmp_path):
     straight = train(_small(stories_path, tmp_path / "a", epochs=2), progress=False)
     stopped = train(_small(stories_path, tmp_path / "b", epochs=2, max_minutes=1e-9), progress=False)
@@ -131,6 +133,7 @@ def test_checkpoint_over_the_size_limit_is_refused(stories):
         check_size(drafter, limit=1024)
 
 
+@pytest.mark.slow
 def test_distill_data_is_deterministic_and_resumes(stories_path, tmp_path):
     from splitspec.train.distill import DistillConfig, distill_data, load_distilled
 
