@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch first, pinned: this exact version resolves to the CPU build that lies on disk here
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[dev,server,netsim,bench]"
+	$(BIN)/pip install --quiet -e ".[dev,server,netsim,bench,daemon]"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -1,6 +1,7 @@
 """The `splitspec` command: the composition root that wires each room's subcommands.
 
     client  generate, chat              (client/cli.py)
+            up                          (client/daemon/cli.py)
     server  serve                       (server/cli.py)
     train   train, draft-vocab          (train/cli.py)
     netsim  netsim                      (netsim/cli.py)
@@ -22,6 +23,7 @@ import grpc
 
 from splitspec.bench.cli import add_bench_parsers
 from splitspec.client.cli import add_client_parsers
+from splitspec.client.daemon.cli import add_daemon_parser
 from splitspec.netsim.cli import add_netsim_parser, serve_behind_link
 from splitspec.server.cli import add_server_parsers
 from splitspec.shared.models import DEFAULT_TARGET, pull
@@ -56,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_pull)
     add_server_parsers(sub, behind_link=serve_behind_link)
     add_client_parsers(sub, local_verifier=load_local_verifier)
+    add_daemon_parser(sub, local_verifier=load_local_verifier)
     add_bench_parsers(sub)
     add_netsim_parser(sub)
     add_train_parsers(sub)

@@ -61,11 +61,15 @@ EventCallback = Callable[[StreamEvent], None]
 
 class Answer:
     """The context [prompt + answer] with each position's provenance, bounded by `budget` new
-    tokens and ended by an EOS token. `emit` receives a StreamEvent for every change."""
+    tokens and ended by an EOS token or the caller's `should_stop`. `emit` receives a StreamEvent
+    for every change."""
 
     def __init__(self, prompt: Sequence[int], budget: int, eos: set[int], privacy: PrivacyGuard | None,
-                 emit: EventCallback) -> None:
+                 emit: EventCallback, should_stop: Callable[[], bool] | None = None) -> None:
+        """`should_stop`: the caller's own end of the answer (a stop string seen, a listener gone);
+        polled as the answer grows, it may turn false again after a retraction."""
         self.prompt_len, self.budget, self.eos, self.privacy, self.emit = len(prompt), budget, eos, privacy, emit
+        self.should_stop = should_stop
         self.context = list(prompt)
         self.sources = [Provenance.PRIVATE if privacy and privacy.mask[i] else Provenance.TARGET
                         for i in range(len(prompt))]
@@ -89,7 +93,8 @@ class Answer:
         return self.sources[self.prompt_len:]
 
     def finished(self) -> bool:
-        return self.answer_len >= self.budget or (self.answer_len > 0 and self.context[-1] in self.eos)
+        return (self.answer_len >= self.budget or (self.answer_len > 0 and self.context[-1] in self.eos)
+                or (self.should_stop is not None and self.should_stop()))
 
     def view(self, pos: int) -> int:
         """The token the server sees at `pos` (a placeholder for a private one)."""

@@ -14,7 +14,7 @@ from functools import partial
 
 from splitspec.shared.config import TreeConfig
 from splitspec.shared.drafters.spec import DEFAULT_DRAFT_VOCAB, QUANTIZATIONS, DrafterSpec
-from splitspec.shared.models import DEFAULT_TARGET
+from splitspec.shared.models import DEFAULT_TARGET, chat_sampling_defaults
 from splitspec.shared.sampling import SamplingParams
 
 from .history import ChatHistory, default_path
@@ -27,12 +27,12 @@ def add_client_parsers(sub, local_verifier=None) -> None:
     """generate and chat. `local_verifier`: the LocalVerifierFactory (client/build.py) that
     --local uses; the composition root passes server/local.py's."""
     p = sub.add_parser("generate", help="generate one answer")
-    _add_client_args(p)
+    add_client_args(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.set_defaults(func=partial(cmd_generate, local_verifier=local_verifier))
     p = sub.add_parser("chat", help="multi-turn terminal chat")
-    _add_client_args(p)
+    add_client_args(p, chat=True)
     p.add_argument("--history", default=None, help="chat history SQLite file "
                    "(default ~/.local/share/splitspec/chat.sqlite3)")
     p.add_argument("--resume", action="store_true", help="continue the last conversation in --history")
@@ -44,7 +44,10 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
 
-def _add_client_args(p: argparse.ArgumentParser) -> None:
+def add_client_args(p: argparse.ArgumentParser, chat: bool = False) -> None:
+    """The flags generate, chat and up share. `chat`: sampling by default (temperature and top-p
+    from the target's generation config, else 0.7 / 0.9: small models loop under greedy
+    decoding); else greedy by default."""
     where = p.add_mutually_exclusive_group()
     where.add_argument("--server", default="127.0.0.1:50051", help="verify service HOST:PORT (split mode)")
     where.add_argument("--local", action="store_true", help="single-device mode: target in this process")
@@ -62,8 +65,13 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
                         f"default: {DEFAULT_DRAFT_VOCAB} when the target has shipped token counts")
     p.add_argument("--no-spec", action="store_true", help="baseline: one target call per token")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    if chat:
+        p.add_argument("--temperature", type=float, default=None,
+                       help="0 = greedy; default: the target's generation config, else 0.7")
+        p.add_argument("--top-p", type=float, default=None, help="default: the target's generation config, else 0.9")
+    else:
+        p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+        p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tree-depth", type=int, default=TreeConfig.depth)
@@ -93,17 +101,25 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
 def client_config(args):
     """The ClientConfig (client/build.py) of the generate / chat flags.
 
+    A --temperature / --top-p left unset (chat, up) takes the target's chat defaults
+    (shared/models.py `chat_sampling_defaults`).
+
     Raises:
-        ValueError: a bad --drafter or tree size.
+        ValueError: a bad --drafter or tree size, or sampling parameters out of range.
     """
     from .build import ClientConfig
 
+    temperature, top_p = args.temperature, args.top_p
+    if temperature is None or top_p is None:
+        default_temperature, default_top_p = chat_sampling_defaults(args.target)
+        temperature = default_temperature if temperature is None else temperature
+        top_p = default_top_p if top_p is None else top_p
     tree = TreeConfig(depth=args.tree_depth, top_b=args.tree_top_b, max_nodes=args.tree_nodes)
     drafter = DrafterSpec.parse("none" if args.no_spec else args.drafter, lsa=args.lsa_placement,
                                 quant=args.feature_quant, vocab=args.draft_vocab, tree=tree)
     return ClientConfig(
         target=args.target, drafter=drafter, server=None if args.local else args.server,
-        sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed),
+        sampling=SamplingParams(temperature, top_p, args.top_k, args.seed),
         offline=OfflinePolicy(enabled=not args.no_offline, on_reconnect=args.on_reconnect),
         device=args.device, dtype=args.dtype, timeout_s=args.timeout, step_timeout_s=args.step_timeout,
         connect_timeout_s=args.connect_timeout, busy_wait_s=args.busy_wait, auth_token_file=args.auth_token_file, tls_ca=args.tls_ca,
@@ -159,7 +175,9 @@ def cmd_chat(args, local_verifier=None) -> None:
             history.append({"role": m["role"], "content": content})
     else:
         conversation = history_db.new_conversation(args.target, setup.decoder.drafter.name)
-    print(f"splitspec chat ({setup.mode}, drafter {setup.decoder.drafter.name}, history {history_db.path}, "
+    sampling = setup.sampling
+    decoding = "greedy" if sampling.greedy else f"temperature {sampling.temperature:g}, top-p {sampling.top_p:g}"
+    print(f"splitspec chat ({setup.mode}, drafter {setup.decoder.drafter.name}, {decoding}, history {history_db.path}, "
           f"{len(history)} earlier messages). Mark private text <private>like this</private>. /reset /stats /quit")
     last_stats = None
     while True:

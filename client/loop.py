@@ -137,10 +137,14 @@ class SpeculativeDecoder:
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                  *, stop_on_eos: bool = True, on_tokens: TokenCallback | None = None,
-                 on_event: EventCallback | None = None, privacy: PrivacyGuard | None = None) -> Generation:
+                 on_event: EventCallback | None = None, privacy: PrivacyGuard | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> Generation:
         """Generate up to `max_new_tokens` tokens after `prompt_ids`.
 
         `privacy` marks private prompt tokens (client/privacy.py); the server then sees placeholders.
+        `should_stop`: polled as the answer grows; True ends it early, as EOS would (a stop string
+        seen, a listener gone; offline text is still verified first, and a retraction may make it
+        false again).
         Returns:
             The answer and its stats.
         Raises:
@@ -153,7 +157,8 @@ class SpeculativeDecoder:
             raise ValueError("need a non-empty prompt and max_new_tokens >= 1")
         if privacy is not None and tuple(privacy.prompt_ids) != tuple(prompt_ids):
             raise ValueError("the privacy guard was built for another prompt")
-        run = _Run(self, list(prompt_ids), max_new_tokens, sampling, stop_on_eos, on_tokens, on_event, privacy)
+        run = _Run(self, list(prompt_ids), max_new_tokens, sampling, stop_on_eos, on_tokens, on_event, privacy,
+                   should_stop)
         return run.go()
 
 
@@ -162,12 +167,12 @@ class _Run:
     Positions index the full context (prompt + answer)."""
 
     def __init__(self, dec: SpeculativeDecoder, prompt: list[int], budget: int, sampling: SamplingParams,
-                 stop_on_eos: bool, on_tokens, on_event, privacy: PrivacyGuard | None) -> None:
+                 stop_on_eos: bool, on_tokens, on_event, privacy: PrivacyGuard | None, should_stop=None) -> None:
         self.verifier, self.drafter, self.policy, self.sampling = dec.verifier, dec.drafter, dec.offline, sampling
         self.on_tokens, self.on_event = on_tokens, on_event
         self.privacy = privacy if privacy is not None and privacy.active else None
         eos = set(self.verifier.info.eos_token_ids) if stop_on_eos else set()
-        self.answer = Answer(prompt, budget, eos, self.privacy, self._emit)
+        self.answer = Answer(prompt, budget, eos, self.privacy, self._emit, should_stop)
         self.stats = GenerationStats()
         self.session = None
         self.server = ServerView(0, -1)

@@ -142,6 +142,32 @@ def load_tokenizer(name: str):
     return _with_template(AutoTokenizer.from_pretrained(path))
 
 
+# What chat programs sample with when the model's generation config names nothing (small models
+# loop under greedy decoding).
+CHAT_TEMPERATURE, CHAT_TOP_P = 0.7, 0.9
+
+
+def chat_sampling_defaults(name: str) -> tuple[float, float]:
+    """(temperature, top_p) a chat with `name` samples with by default: the values its
+    generation_config.json sets (each on its own), else CHAT_TEMPERATURE / CHAT_TOP_P. A config
+    with `do_sample: false` and no temperature means greedy (temperature 0).
+
+    Raises:
+        RuntimeError: an alias whose package cannot be installed (see `pull`).
+    """
+    from transformers.utils import cached_file
+
+    path, _ = resolve(ModelSpec.parse(name).source)
+    try:
+        found = cached_file(path, "generation_config.json", _raise_exceptions_for_missing_entries=False)
+    except OSError:  # a hub id without network, or no such file
+        found = None
+    config = json.loads(Path(found).read_text()) if found else {}
+    if config.get("do_sample") is False and "temperature" not in config:
+        return 0.0, float(config.get("top_p", 1.0))
+    return float(config.get("temperature", CHAT_TEMPERATURE)), float(config.get("top_p", CHAT_TOP_P))
+
+
 def _with_template(tokenizer):
     if not tokenizer.chat_template:
         tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE

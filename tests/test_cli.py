@@ -127,3 +127,23 @@ def test_demo_runs_end_to_end(stories_path, capsys):
                                    "--max-new-tokens", "6"])
     assert code == 0, err
     assert out.count("===") == 3 and out.count("target calls") == 3
+
+
+def test_chat_samples_by_default_and_is_greedy_on_request(stories_path, tmp_path):
+    """chat (and up) sample by default, from the target's generation config when it names values;
+    generate stays greedy."""
+    from splitspec.cli.main import build_parser
+    from splitspec.client.cli import client_config
+    from splitspec.shared.models import chat_sampling_defaults
+
+    parser = build_parser()
+    chat = ["chat", "--local", "--target", str(stories_path)]
+    sampling = client_config(parser.parse_args(chat)).sampling
+    assert (sampling.temperature, sampling.top_p) == (0.7, 0.9)
+    assert client_config(parser.parse_args(chat + ["--temperature", "0"])).sampling.greedy
+    assert client_config(parser.parse_args(["generate", "--local", "--target", str(stories_path), "--prompt", "x"])
+                         ).sampling.greedy
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95}))
+    assert chat_sampling_defaults(str(tmp_path)) == (0.6, 0.95)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    assert chat_sampling_defaults(str(tmp_path))[0] == 0.0

@@ -1,0 +1,145 @@
+"""`splitspec up`: the client daemon, a long-running process holding the drafter and the link to
+the verify service (or the target itself with --local), serving the OpenAI-compatible API on
+127.0.0.1 by default (docs/daemon.md). FastAPI and uvicorn load when the command runs (the
+`daemon` extra)."""
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import threading
+from functools import partial
+
+DEFAULT_PORT = 8765
+
+
+def add_daemon_parser(sub, local_verifier=None) -> None:
+    """`up`. `local_verifier`: the LocalVerifierFactory --local uses (client/build.py)."""
+    from ..cli import add_client_args
+
+    p = sub.add_parser("up", help="the client daemon: an OpenAI-compatible API on this device")
+    add_client_args(p, chat=True)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this device only)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 = any free port")
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: $SPLITSPEC_API_KEY, else none)")
+    p.add_argument("--max-queue", type=int, default=8,
+                   help="requests that may wait behind the running answer; more are refused with 429")
+    p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    p.set_defaults(func=partial(cmd_up, local_verifier=local_verifier))
+
+
+def cmd_up(args, local_verifier=None) -> None:
+    """Build the client, print the daemon's URL, serve until interrupted.
+
+    Raises:
+        ValueError: bad client flags, --max-queue < 0, or a non-loopback --host without an API key.
+        LinkDown: the verify service is unreachable at start-up.
+        OSError: the port is taken.
+    """
+    from ..build import build_client
+    from ..cli import client_config
+
+    api_key = args.api_key or os.environ.get("SPLITSPEC_API_KEY") or None
+    if args.max_queue < 0:
+        raise ValueError("--max-queue must be >= 0")
+    if not _loopback(args.host) and not api_key:
+        raise ValueError(f"--host {args.host} is reachable from other machines: set --api-key")
+    config = client_config(args)
+    setup = build_client(config, local_verifier)
+    server = DaemonServer(daemon_app(setup, args.target, api_key=api_key, max_queue=args.max_queue,
+                                     max_new_tokens=args.max_new_tokens, private_ngram=args.private_ngram,
+                                     max_request_bytes=args.max_request_bytes, system=args.system),
+                          args.host, args.port)
+    sampling = setup.sampling
+    print(f"splitspec up: {setup.mode}, drafter {setup.decoder.drafter.name}, default temperature "
+          f"{sampling.temperature:g} top-p {sampling.top_p:g}{', API key required' if api_key else ''}\n"
+          f"  OpenAI base URL  {server.url}/v1\n  health           {server.url}/health", flush=True)
+    try:
+        server.run()
+    finally:
+        setup.decoder.verifier.close()
+
+
+def daemon_app(setup, target: str, *, api_key: str | None = None, max_queue: int = 8, max_new_tokens: int = 256,
+               private_ngram: int = 2, max_request_bytes: int = 1 << 20, system: str | None = None):
+    """The FastAPI app over a built client (`setup`: client/build.py ClientSetup). Its sampling
+    gives the requests' default temperature and top-p; `target` (the name given) and the served
+    model id are both accepted as `model`; `system` is the system prompt of requests without one."""
+    from .app import create_app
+    from .engine import Engine, EngineConfig
+
+    model_id = setup.decoder.verifier.info.model_id
+    names = tuple(dict.fromkeys([model_id, target]))
+    engine = Engine(setup, EngineConfig(names, max_new_tokens, setup.sampling.temperature, setup.sampling.top_p,
+                                        max_queue, private_ngram, system))
+    app = create_app(engine, api_key=api_key, max_request_bytes=max_request_bytes, mode=setup.mode,
+                     drafter=setup.decoder.drafter.name)
+    app.state.engine = engine
+    return app
+
+
+class DaemonServer:
+    """uvicorn serving `app` on a socket bound at construction (port 0 = a free one), in the
+    foreground (`run`) or on a thread (`start` / `stop`)."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> None:
+        import uvicorn
+
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.socket = socket.create_server((host, port), family=family)
+        self.host, self.port = host, self.socket.getsockname()[1]
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
+                                                    timeout_graceful_shutdown=2))
+        self.thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def run(self) -> None:
+        """Serve until SIGINT / SIGTERM."""
+        try:
+            self.server.run(sockets=[self.socket])
+        finally:
+            self._close_engine()
+
+    def start(self, timeout_s: float = 30.0) -> "DaemonServer":
+        """Serve on a background thread; returns once it accepts connections.
+
+        Raises:
+            RuntimeError: it did not start within `timeout_s`.
+        """
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True,
+                                       name="splitspec-daemon")
+        self.thread.start()
+        deadline = threading.Event()
+        for _ in range(int(timeout_s / 0.05)):
+            if self.server.started:
+                return self
+            deadline.wait(0.05)
+        raise RuntimeError(f"the daemon did not start within {timeout_s:g} s")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        if self.thread is not None:
+            self.thread.join(timeout=10)
+        self._close_engine()
+        self.socket.close()
+
+    def _close_engine(self) -> None:
+        engine = getattr(self.app.state, "engine", None)
+        if engine is not None:
+            engine.close()
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+

@@ -1,0 +1,207 @@
+"""The daemon's one decoder, shared by every request: answers run one at a time on a worker thread
+(never interleaved into one session), later ones wait in a bounded queue, and a request beyond it
+is refused (`Busy`, HTTP 429).
+
+A job reports to its `sink` from the worker thread: `Delta`s as the answer grows, then one
+`Finished` or one `Failed`. Cancelling a job (its listener went away) ends the answer at the next
+token; a job cancelled while queued never starts.
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+from splitspec.shared.sampling import SamplingParams
+
+from ..build import ClientSetup
+from ..loop import Generation
+from ..privacy import PrivacyGuard, encode_private_chat, placeholder_token
+from .schema import ApiError, Completion
+from .text import AnswerText, Delta
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """model_ids: the names a request may ask for (the first is listed by /v1/models).
+    max_new_tokens: a request's default max_tokens; temperature / top_p: a request's defaults
+    (temperature 0 = greedy). max_queue: requests that may wait behind the running one.
+    private_ngram: client/privacy.py PrivacyGuard.ngram. system: the system prompt of a request
+    without one."""
+
+    model_ids: tuple[str, ...]
+    max_new_tokens: int = 256
+    temperature: float = 0.7
+    top_p: float = 0.9
+    max_queue: int = 8
+    private_ngram: int = 2
+    system: str | None = None
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The answer is complete. finish_reason: "stop" (EOS or a stop string) or "length"."""
+
+    text: str
+    finish_reason: str
+    generation: Generation
+    prompt_tokens: int
+    private_prompt_tokens: int
+    retracted: bool
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The answer could not be written (the verify service unreachable at the start, a refusal)."""
+
+    error: ApiError
+
+
+Sink = Callable[[object], None]  # receives Delta, then Finished or Failed, from the worker thread
+
+
+@dataclass
+class Job:
+    """One accepted request; `cancel` ends it at the next token (or before it starts)."""
+
+    completion: Completion
+    prompt_ids: list[int]
+    privacy: PrivacyGuard | None
+    sink: Sink
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class Busy(ApiError):
+    def __init__(self, waiting: int) -> None:
+        super().__init__(429, f"the daemon is busy: one answer running and {waiting} waiting; retry later",
+                         type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+
+
+class Engine:
+    """Runs completions on `setup`'s decoder, one at a time."""
+
+    def __init__(self, setup: ClientSetup, config: EngineConfig) -> None:
+        self.setup, self.config = setup, config
+        self.tokenizer = setup.tokenizer
+        self.info = setup.decoder.verifier.info
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="splitspec-answer")
+        self._lock = threading.Lock()
+        self.pending = 0  # running + waiting
+        self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "refused": 0}
+
+    # --- requests -----------------------------------------------------------------------------
+
+    def check_model(self, model: str) -> None:
+        """Raises ApiError 404 (model_not_found) for a model this daemon does not serve."""
+        if model not in self.config.model_ids:
+            raise ApiError(404, f"the model '{model}' does not exist here; this daemon serves "
+                                f"{self.config.model_ids[0]!r} (GET /v1/models)", param="model", code="model_not_found")
+
+    def prepare(self, completion: Completion) -> tuple[list[int], PrivacyGuard | None, int]:
+        """(prompt ids [P], the privacy guard when a message holds private spans, max new tokens).
+
+        Raises:
+            ApiError: 400 for a chat the tokenizer cannot render with its private spans, or one
+                that leaves no room in the target's context (code context_length_exceeded).
+        """
+        messages = completion.messages
+        if self.config.system and not any(m["role"] == "system" for m in messages):
+            messages = [{"role": "system", "content": self.config.system}, *messages]
+        try:
+            ids, mask = encode_private_chat(self.tokenizer, messages)
+        except ValueError as err:
+            raise ApiError(400, str(err), param="messages", code="invalid_value") from None
+        room = self.info.max_context - len(ids)
+        wanted = completion.max_tokens or self.config.max_new_tokens
+        if room < 1 or (completion.max_tokens is not None and completion.max_tokens > room):
+            raise ApiError(400, f"the target's context holds {self.info.max_context} tokens; the messages take "
+                                f"{len(ids)} and max_tokens asks for {wanted}", param="messages",
+                           code="context_length_exceeded")
+        guard = PrivacyGuard(tuple(ids), tuple(mask), placeholder_token(self.tokenizer), self.config.private_ngram)
+        return ids, (guard if guard.active else None), min(wanted, room)
+
+    def sampling(self, completion: Completion) -> SamplingParams:
+        temperature = self.config.temperature if completion.temperature is None else completion.temperature
+        top_p = self.config.top_p if completion.top_p is None else completion.top_p
+        seed = secrets.randbits(63) if completion.seed is None else completion.seed
+        return SamplingParams(temperature, top_p, 0, seed)
+
+    def submit(self, completion: Completion, sink: Sink) -> Job:
+        """Queue a completion (prepare + sampling first, so a bad one is refused before it waits).
+
+        Raises:
+            ApiError: see `check_model`, `prepare`; Busy (429) when max_queue requests wait already.
+        """
+        self.check_model(completion.model)
+        prompt_ids, privacy, max_new = self.prepare(completion)
+        sampling = self.sampling(completion)
+        with self._lock:
+            if self.pending > self.config.max_queue:
+                self.counts["refused"] += 1
+                raise Busy(self.pending - 1)
+            self.pending += 1
+        job = Job(completion, prompt_ids, privacy, sink)
+        self._worker.submit(self._run, job, sampling, max_new)
+        return job
+
+    def status(self) -> dict:
+        with self._lock:
+            return {"busy": self.pending > 0, "waiting": max(0, self.pending - 1), "requests": dict(self.counts)}
+
+    def close(self) -> None:
+        """Stop taking work; the running answer ends at its next token."""
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+    # --- the worker ---------------------------------------------------------------------------
+
+    def _run(self, job: Job, sampling: SamplingParams, max_new: int) -> None:
+        outcome = "cancelled"
+        try:
+            if not job.cancelled.is_set():
+                outcome = self._answer(job, sampling, max_new)
+        except ApiError as err:
+            outcome = "failed"
+            job.sink(Failed(err))
+        except Exception as err:  # the loop's LinkDown, a gRPC refusal, a bug: the daemon lives on
+            outcome = "failed"
+            log.exception("answer failed")
+            job.sink(Failed(_server_error(err)))
+        finally:
+            with self._lock:
+                self.pending -= 1
+                self.counts[outcome] += 1
+
+    def _answer(self, job: Job, sampling: SamplingParams, max_new: int) -> str:
+        text = AnswerText(self.tokenizer, job.completion.stop)
+
+        def on_event(event) -> None:
+            for delta in text.feed(event):
+                job.sink(delta)
+
+        gen = self.setup.decoder.generate(job.prompt_ids, max_new, sampling, on_event=on_event, privacy=job.privacy,
+                                          should_stop=lambda: text.stopped or job.cancelled.is_set())
+        if job.cancelled.is_set():
+            return "cancelled"
+        for delta in text.finish():
+            job.sink(delta)
+        reason = "stop" if text.stopped or gen.stopped_by_eos else "length"
+        private = sum(job.privacy.mask) if job.privacy else 0
+        job.sink(Finished(text.text, reason, gen, len(job.prompt_ids), private, text.retracted))
+        return "completed"
+
+
+def _server_error(err: Exception) -> ApiError:
+    from splitspec.shared.verifier import LinkDown
+
+    if isinstance(err, LinkDown):
+        return ApiError(503, f"the verify service is unreachable: {err}", type="server_error",
+                        code="verify_service_unreachable")
+    return ApiError(500, f"{type(err).__name__}: {err}", type="server_error", code="internal_error")
