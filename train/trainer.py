@@ -146,6 +146,35 @@ def load_examples(cfg: TrainConfig, tokenizer) -> tuple[list[Example], list[list
     return examples, held
 
 
+EXAMPLES = "examples.pt"
+
+
+def cached_examples(cfg: TrainConfig, tokenizer) -> tuple[list[Example], list[list[dict]]]:
+    """`load_examples`, kept in `cfg.out/examples.pt` so that `--resume` does not render and
+    tokenize the conversations again (tens of minutes for a 5M-token budget on a 2-core CPU).
+
+    The cache is used only when it was built from the same data, budget, length limit, split seed,
+    held-out count and tokenizer; otherwise it is rebuilt. Tests that pass their own
+    conversations bypass it."""
+    if cfg.conversations is not None:
+        return load_examples(cfg, tokenizer)
+    key = {"data": cfg.data, "max_tokens": cfg.max_tokens, "max_len": cfg.max_len, "seed": cfg.seed,
+           "heldout": cfg.heldout, "tokenizer": getattr(tokenizer, "name_or_path", ""),
+           "vocab_size": len(tokenizer)}
+    path = cfg.out / EXAMPLES
+    if path.exists():
+        saved = torch.load(path, weights_only=False)
+        if saved.get("key") == key:
+            log.info("examples from %s", path)
+            return [Example(*e) for e in saved["examples"]], saved["held"]
+    examples, held = load_examples(cfg, tokenizer)
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"key": key, "examples": [(e.input_ids, e.loss_mask) for e in examples], "held": held}, tmp)
+    tmp.replace(path)
+    return examples, held
+
+
 def build_drafter(cfg: TrainConfig | DrafterJob, target_config):
     job = cfg if isinstance(cfg, DrafterJob) else cfg.jobs()[0]
     if job.kind == "moa":
@@ -275,7 +304,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
     if vocab is not None:
         for t in trainees:
             t.eval_parts.restrict_vocab(vocab)
-    examples, held = load_examples(cfg, tokenizer)
+    examples, held = cached_examples(cfg, tokenizer)
     if not examples:
         raise ValueError("no training examples (empty data or every conversation too short)")
     held_examples = [e for e in (tokenize_conversation(tokenizer, c, cfg.max_len) for c in held) if e]
