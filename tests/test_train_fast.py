@@ -154,3 +154,34 @@ def test_distill_data_is_deterministic_and_resumes(stories_path, tmp_path):
         distill_data(DistillConfig(out=tmp_path / "a.jsonl", limit=6, **{**common, "seed": 8}), convs)
     examples = load_distilled(tmp_path / "a.jsonl", 64)
     assert examples and all(sum(e.loss_mask) > 0 for e in examples)
+
+
+def test_examples_are_cached_in_the_run_directory(tmp_path, monkeypatch):
+    """--resume reads the tokenized examples back instead of rebuilding them; a changed budget,
+    length limit or tokenizer rebuilds them."""
+    import splitspec.train.trainer as trainer
+    from splitspec.train.data import Example
+
+    calls = []
+
+    def fake_load(cfg, tokenizer):
+        calls.append(cfg.max_tokens)
+        return [Example([1, 2, 3, 4] * cfg.max_tokens, [0, 1, 1, 1] * cfg.max_tokens)], [[{"role": "user",
+                                                                                          "content": "hi"}]]
+
+    class Tok:
+        name_or_path = "tok-a"
+
+        def __len__(self):
+            return 100
+
+    monkeypatch.setattr(trainer, "load_examples", fake_load)
+    cfg = TrainConfig(drafter="moa", target="t", out=tmp_path, max_tokens=2)
+    first = trainer.cached_examples(cfg, Tok())
+    again = trainer.cached_examples(cfg, Tok())
+    assert calls == [2] and again == first and (tmp_path / trainer.EXAMPLES).exists()
+    trainer.cached_examples(TrainConfig(drafter="moa", target="t", out=tmp_path, max_tokens=3), Tok())
+    other = Tok()
+    other.name_or_path = "tok-b"
+    trainer.cached_examples(TrainConfig(drafter="moa", target="t", out=tmp_path, max_tokens=3), other)
+    assert calls == [2, 3, 3]
