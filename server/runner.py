@@ -56,6 +56,8 @@ class TargetRunner:
         self.num_layers = model.config.num_hidden_layers
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.windows = kv.attention_windows(model.config)  # raises UnsupportedCache at load, not mid-session
+        self.per_layer_type = getattr(model.config, "layer_types", None) is not None
 
     @property
     def max_positions(self) -> int:
@@ -99,7 +101,7 @@ class TargetRunner:
         ids = torch.tensor([[chain[0], *full.tokens]], device=self.device)  # [1, F + N]
         start = time.perf_counter()
         out = self.model(input_ids=ids, past_key_values=session.cache, use_cache=True,
-                         attention_mask=buffers.attention_mask(prefix_len, self.dtype, self.device),
+                         attention_mask=self._tree_mask(buffers, prefix_len),
                          position_ids=buffers.position_ids(prefix_len).to(self.device),
                          output_hidden_states=bool(session.features.hidden_layers))
         forward_ms = (time.perf_counter() - start) * 1e3
@@ -115,6 +117,14 @@ class TargetRunner:
         session.pending_token = result.bonus_token
         accepted_tokens = tuple(tree.tokens[n] for n in result.accepted_nodes)
         return StepOutput(result, accepted_tokens, features, forward_ms)
+
+    def _tree_mask(self, buffers, prefix_len: int):
+        """The tree's additive mask [1, 1, M, prefix_len + M], windowed for sliding-window layers;
+        a {layer type: mask} mapping for models that name a kind per layer (transformers builds no
+        mask of its own when handed one)."""
+        masks = {kind: buffers.attention_mask(prefix_len, self.dtype, self.device, window)
+                 for kind, window in self.windows.items()}
+        return masks if self.per_layer_type else next(iter(masks.values()))
 
     def _features(self, session: TargetSession, hidden_states, rows: list[int], start: int) -> FeatureBatch:
         """Features of the committed positions [start, start + len(rows)); `rows` index the forward's

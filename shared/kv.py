@@ -11,8 +11,47 @@ import torch
 from transformers import DynamicCache
 
 
+class UnsupportedCache(ValueError):
+    """The target's attention layers need a cache this module cannot commit trees into."""
+
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+def attention_windows(config) -> dict[str, int | None]:
+    """The model's attention layer kinds and their windows: {layer type: window in tokens, or
+    None for full causal attention}.
+
+    Models with `config.layer_types` (Qwen2/3, Gemma 2/3, ...) name a kind per layer; older ones
+    (Mistral, Phi-3) apply `config.sliding_window`, when set, to every layer.
+
+    Raises:
+        UnsupportedCache: a layer kind other than full or sliding-window attention (chunked
+            attention, linear attention, state-space layers): a tree's rejected rows cannot be
+            dropped from such a layer's state by position.
+    """
+    window = getattr(config, "sliding_window", None)
+    kinds = set(getattr(config, "layer_types", None) or [SLIDING if window is not None else FULL])
+    unknown = kinds - {FULL, SLIDING}
+    if unknown:
+        raise UnsupportedCache(f"{type(config).__name__} has {', '.join(sorted(unknown))} layers; splitspec's "
+                               "verifier serves full and sliding-window attention only")
+    if SLIDING in kinds and not window:
+        raise UnsupportedCache(f"{type(config).__name__} has sliding-window layers but no sliding_window size")
+    return {kind: (window if kind == SLIDING else None) for kind in sorted(kinds)}
+
+
 def new_cache(config) -> DynamicCache:
-    return DynamicCache(config=config)
+    """An empty cache with full (growing) storage for every layer, sliding-window layers included.
+
+    transformers' sliding-window cache layers keep only the last `window` positions, so the rows of
+    a rejected branch cannot be dropped by position once the context is longer than the window;
+    here every layer keeps every position and the window is applied by the attention mask instead
+    (`TargetRunner` passes a windowed mask to sliding layers). Memory grows with the context on
+    those layers too, as `cache_bytes` reports.
+    """
+    attention_windows(config)  # refuse what cannot be served before any state exists
+    return DynamicCache()
 
 
 def cache_length(cache: DynamicCache, layer: int = 0) -> int:

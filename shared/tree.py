@@ -102,12 +102,20 @@ class TreeBuffers:
         """[1, M] position ids: prefix length + depth."""
         return (self.depth + prefix_len).unsqueeze(0)
 
-    def attention_mask(self, prefix_len: int, dtype: torch.dtype, device: torch.device | str = "cpu"
-                       ) -> torch.Tensor:
-        """[1, 1, M, prefix_len + M] additive float mask: 0 where visible, dtype-min elsewhere."""
+    def attention_mask(self, prefix_len: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                       window: int | None = None) -> torch.Tensor:
+        """[1, 1, M, prefix_len + M] additive float mask: 0 where visible, dtype-min elsewhere.
+
+        `window`: sliding-window attention (Mistral, Gemma 2/3 local layers): a row at position p
+        also sees only keys at positions q > p - window, as transformers' sliding-window mask does.
+        """
         rows = self.ancestor_mask.shape[0]
         visible = torch.ones(rows, prefix_len + rows, dtype=torch.bool)
         visible[:, prefix_len:] = self.ancestor_mask
+        if window is not None:
+            query = self.depth + prefix_len  # [M]
+            key = torch.cat([torch.arange(prefix_len), query])  # [prefix_len + M]
+            visible &= key[None, :] > query[:, None] - window
         mask = torch.zeros(visible.shape, dtype=dtype)
         mask.masked_fill_(~visible, torch.finfo(dtype).min)
         return mask.to(device)[None, None]
