@@ -78,37 +78,68 @@ def pull(name: str, *, install: bool = True) -> Path:
     """Make `name` loadable offline and return its directory.
 
     For an alias: install its PyPI package without dependencies if missing, load the GGUF through
-    transformers (dequantizing, ~20 s), and save a safetensors copy under `cache_root()`. A local
-    directory is returned as is; a hub id is returned unchanged for `from_pretrained`.
+    transformers (dequantizing, ~20 s), and save a safetensors copy under `cache_root()`. A path to
+    a local `.gguf` file is converted the same way, once per file version. A local directory is
+    returned as is; a hub id is returned unchanged for `from_pretrained`.
 
     Raises:
         RuntimeError: the package cannot be installed or holds no GGUF file.
     """
     alias = ALIASES.get(name)
     if alias is None:
+        if is_gguf_path(name):
+            return _pull_gguf(Path(name))
         return Path(name)
     target = cache_root() / "models" / alias.name
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+    if _converted(target):
         return target
     gguf_dir = _package_dir(alias, install)
+    _convert_gguf(gguf_dir, alias.gguf_file, target, alias.hf_id,
+                  {"alias": alias.name, "hf_id": alias.hf_id, "package": alias.package, "gguf_file": alias.gguf_file})
+    return target
+
+
+def is_gguf_path(name: str) -> bool:
+    """True for a path to a local GGUF file (`--target path/to/model.gguf`)."""
+    return name.lower().endswith(".gguf") and Path(name).is_file()
+
+
+def _converted(folder: Path) -> bool:
+    return (folder / "config.json").exists() and (folder / "model.safetensors").exists()
+
+
+def _pull_gguf(path: Path) -> Path:
+    """Convert a local GGUF file once, cached under `cache_root()/models/gguf-<name>-<hash>`; the
+    hash covers the resolved path, size and modification time, so a changed file converts again."""
+    path = path.resolve()
+    stat = path.stat()
+    digest = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    target = cache_root() / "models" / f"gguf-{path.stem}-{digest}"
+    if not _converted(target):
+        _convert_gguf(path.parent, path.name, target, path.stem,
+                      {"gguf_path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns})
+    return target
+
+
+def _convert_gguf(folder: Path, gguf_file: str, target: Path, model_id: str, source: dict) -> None:
+    """Load `folder/gguf_file` through transformers (dequantizing) and save a safetensors copy with
+    its tokenizer at `target`, atomically (a `.partial` folder renamed at the end)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    log.info("converting %s from GGUF (one time)", alias.name)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=alias.gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=alias.gguf_file, dtype=torch.float32)
+    log.info("converting %s from GGUF (one time)", gguf_file)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
     model.hf_quantizer = None  # the weights are dequantized now; saving needs no GGUF bookkeeping
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.config._name_or_path = alias.hf_id
+    model.config._name_or_path = model_id
     tmp = target.with_name(target.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    (tmp / "splitspec_source.json").write_text(json.dumps(
-        {"alias": alias.name, "hf_id": alias.hf_id, "package": alias.package, "gguf_file": alias.gguf_file}))
+    (tmp / "splitspec_source.json").write_text(json.dumps(source))
     shutil.rmtree(target, ignore_errors=True)  # an incomplete earlier copy
     tmp.replace(target)
-    return target
 
 
 def _package_dir(alias: Alias, install: bool) -> Path:
@@ -132,6 +163,8 @@ def resolve(name: str) -> tuple[str, str]:
     """(path or hub id to load, display model id) for a model name without `@` options."""
     if name in ALIASES:
         return str(pull(name)), ALIASES[name].hf_id
+    if is_gguf_path(name):
+        return str(pull(name)), Path(name).stem
     return name, name
 
 

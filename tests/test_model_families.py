@@ -78,3 +78,25 @@ def test_a_cache_that_cannot_be_served_is_refused_at_load(kind, stories):
     model.config.layer_types = ["full_attention", kind] * 2
     with pytest.raises(UnsupportedCache, match=kind):
         TargetRunner(model, stories[1], "hybrid")
+
+
+@pytest.mark.slow  # dequantizes 135M parameters: 147 s on the 2-core VM
+def test_a_gguf_path_is_converted_once_and_loads_like_the_alias(smollm2, tmp_path, monkeypatch):
+    """`--target path/to/model.gguf` (issue 11): converted and cached like the built-in alias."""
+    import importlib.util
+    from pathlib import Path
+
+    from splitspec.shared.models import ALIASES, load_model, resolve
+
+    alias = ALIASES["smollm2-135m"]
+    gguf = Path(list(importlib.util.find_spec(alias.module).submodule_search_locations)[0]) / alias.gguf_file
+    monkeypatch.setenv("SPLITSPEC_CACHE", str(tmp_path))
+    model, tokenizer, model_id = load_model(str(gguf))
+    assert model_id == gguf.stem
+    reference = smollm2[0].state_dict()
+    assert all(torch.equal(t, reference[k]) for k, t in model.state_dict().items())
+    assert tokenizer.get_vocab() == smollm2[1].get_vocab()
+    folder, _ = resolve(str(gguf))
+    stamp = (Path(folder) / "model.safetensors").stat().st_mtime_ns
+    assert resolve(str(gguf))[0] == folder  # cached: not converted again
+    assert (Path(folder) / "model.safetensors").stat().st_mtime_ns == stamp
