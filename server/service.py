@@ -105,8 +105,17 @@ def _refusals(method):
             self.metrics.refused(name, "INTERNAL")
             log.error("%s failed with %s at\n%s", name, type(err).__name__,
                       "".join(traceback.format_tb(err.__traceback__)))  # frames only: no message, no values
-            await context.abort(grpc.StatusCode.INTERNAL, "internal error while serving the request")
+            await context.abort(grpc.StatusCode.INTERNAL, _internal_message(name, request))
     return wrapper
+
+
+def _internal_message(name: str, request) -> str:
+    """What a client is told of an unexpected server error: which call (and Verify step) failed and
+    what became of its session; never the error's own message, which may quote request contents."""
+    if name == "Verify":
+        return (f"internal error while serving Verify step {request.step}; that session is closed (open a "
+                "new one), the service is still serving")
+    return f"internal error while serving {name}; the service is still serving"
 
 
 def _admitted(method):

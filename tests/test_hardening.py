@@ -636,7 +636,12 @@ def test_logs_hold_no_payload(spied, serve, caplog, capfd):
     _refused(C.RESOURCE_EXHAUSTED, lambda: _verify(stub, sid, 4, tokens=prompt[:9], parents=[-1] * 9))
     _refused(C.INVALID_ARGUMENT, lambda: _open(stub, fp, prompt=prompt + [4096]))
     spy.fail_with = RuntimeError(f"model blew up on {marker} {prompt}")  # a message quoting the payload
-    _refused(C.INTERNAL, lambda: _verify(stub, sid, 4))
+    failed = _refused(C.INTERNAL, lambda: _verify(stub, sid, 4))
+    assert "Verify step 4" in failed.details() and "still serving" in failed.details()  # which step failed
+    assert marker not in failed.details()
+    spy.fail_with = None
+    _refused(C.NOT_FOUND, lambda: _verify(stub, sid, 4))  # its cache may be half-updated: closed
+    assert _open(stub, fp, prompt=prompt).session_id  # the service goes on serving
     bad_channel, bad_stub = _stub(server.address, token="wrong-" + TOKEN)
     _refused(C.UNAUTHENTICATED, lambda: _open(bad_stub, fp))
     bad_channel.close()
