@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from splitspec.shared.drafters.spec import DrafterSpec
-from splitspec.shared.models import load_tokenizer, tokenizer_fingerprint
+from splitspec.shared.models import DEFAULT_TARGET, load_tokenizer, tokenizer_fingerprint, tokenizer_source
 from splitspec.shared.sampling import SamplingParams
 from splitspec.shared.verifier import Verifier
 
@@ -34,7 +34,7 @@ class ClientConfig:
     auth_token_file, tls_*: PEM / token files of the channel (client/transport.py).
     """
 
-    target: str
+    target: str | None  # None: DEFAULT_TARGET in single-device mode, the server's target in split mode
     drafter: DrafterSpec
     server: str | None = "127.0.0.1:50051"
     sampling: SamplingParams = SamplingParams()
@@ -59,6 +59,7 @@ class ClientSetup:
     tokenizer: object
     sampling: SamplingParams
     mode: str
+    target: str = DEFAULT_TARGET  # the target's name as this client loads it (tokenizer, shipped drafters)
 
 
 def build_client(cfg: ClientConfig, local_verifier: LocalVerifierFactory | None = None,
@@ -74,19 +75,41 @@ def build_client(cfg: ClientConfig, local_verifier: LocalVerifierFactory | None 
     if cfg.server is None:
         if local_verifier is None:
             raise ValueError("single-device mode needs the in-process verifier (splitspec.server)")
-        verifier, tokenizer = local_verifier(cfg.target, cfg.device, cfg.dtype)
+        target = cfg.target or DEFAULT_TARGET
+        verifier, tokenizer = local_verifier(target, cfg.device, cfg.dtype)
         mode = "single-device"
     else:
-        tokenizer = load_tokenizer(cfg.target)
         verifier = _connect(cfg, on_busy)
         mode = f"split via {cfg.server}"
-        if tokenizer_fingerprint(tokenizer) != verifier.info.tokenizer_fingerprint:
-            raise ValueError(f"the tokenizer of {cfg.target} differs from the server's target "
-                             f"{verifier.info.model_id}; pass --target naming the server's model")
-    drafter = make_drafter(cfg.drafter, target_fingerprint=verifier.info.tokenizer_fingerprint, target=cfg.target,
+        target, tokenizer = _server_tokenizer(cfg.target, verifier)
+    drafter = make_drafter(cfg.drafter, target_fingerprint=verifier.info.tokenizer_fingerprint, target=target,
                            target_model=verifier.target_model, device=cfg.device, dtype=cfg.dtype,
                            seed=cfg.sampling.seed)
-    return ClientSetup(SpeculativeDecoder(verifier, drafter, cfg.offline), tokenizer, cfg.sampling, mode)
+    return ClientSetup(SpeculativeDecoder(verifier, drafter, cfg.offline), tokenizer, cfg.sampling, mode, target)
+
+
+def _server_tokenizer(target: str | None, verifier) -> tuple[str, object]:
+    """(target name, tokenizer) of split mode: `target` when given, else the one the server's
+    `Info` names (`tokenizer_source`); either must tokenize exactly as the server's target.
+
+    Raises:
+        ValueError: the tokenizer cannot be loaded here, or differs from the server's target
+            (the verifier is closed first).
+    """
+    info = verifier.info
+    name = target or tokenizer_source(info.model_id)
+    try:
+        tokenizer = load_tokenizer(name)
+    except (OSError, ValueError, RuntimeError) as err:
+        verifier.close()
+        hint = "" if target else f" (the server's target is {info.model_id})"
+        raise ValueError(f"cannot load the tokenizer of {name} here{hint}: {err}; pass --target naming a local "
+                         "copy of the server's model") from err
+    if tokenizer_fingerprint(tokenizer) != info.tokenizer_fingerprint:
+        verifier.close()
+        raise ValueError(f"the tokenizer of {name} differs from the server's target {info.model_id}; "
+                         "pass --target naming the server's model")
+    return name, tokenizer
 
 
 def _connect(cfg: ClientConfig, on_busy: Callable[[str], None] | None) -> RemoteVerifier:

@@ -51,7 +51,9 @@ def add_client_args(p: argparse.ArgumentParser, chat: bool = False) -> None:
     where = p.add_mutually_exclusive_group()
     where.add_argument("--server", default="127.0.0.1:50051", help="verify service HOST:PORT (split mode)")
     where.add_argument("--local", action="store_true", help="single-device mode: target in this process")
-    p.add_argument("--target", default=DEFAULT_TARGET, help="target model for --local, and the tokenizer")
+    p.add_argument("--target", default=None,
+                   help=f"target model: loaded here with --local (default {DEFAULT_TARGET}); with --server, "
+                        "where its tokenizer comes from (default: the model the server reports)")
     p.add_argument("--drafter", default="auto",
                    help="auto | none | ngram | draft-model:MODEL[@layers=N] | moa[:tli=N|:PATH] | eagle2[:PATH]; "
                         "auto = the MoA checkpoint shipped for the target, else ngram; options ;lsa= ;quant= "
@@ -111,7 +113,7 @@ def client_config(args):
 
     temperature, top_p = args.temperature, args.top_p
     if temperature is None or top_p is None:
-        default_temperature, default_top_p = chat_sampling_defaults(args.target)
+        default_temperature, default_top_p = chat_sampling_defaults(args.target or DEFAULT_TARGET)
         temperature = default_temperature if temperature is None else temperature
         top_p = default_top_p if top_p is None else top_p
     tree = TreeConfig(depth=args.tree_depth, top_b=args.tree_top_b, max_nodes=args.tree_nodes)
@@ -174,7 +176,7 @@ def cmd_chat(args, local_verifier=None) -> None:
             content = m["content"] if m["complete"] else history_db.recover(m["id"], setup.tokenizer)
             history.append({"role": m["role"], "content": content})
     else:
-        conversation = history_db.new_conversation(args.target, setup.decoder.drafter.name)
+        conversation = history_db.new_conversation(setup.target, setup.decoder.drafter.name)
     sampling = setup.sampling
     decoding = "greedy" if sampling.greedy else f"temperature {sampling.temperature:g}, top-p {sampling.top_p:g}"
     print(f"splitspec chat ({setup.mode}, drafter {setup.decoder.drafter.name}, {decoding}, history {history_db.path}, "
@@ -191,7 +193,7 @@ def cmd_chat(args, local_verifier=None) -> None:
             break
         if line == "/reset":
             history.clear()
-            conversation = history_db.new_conversation(args.target, setup.decoder.drafter.name)
+            conversation = history_db.new_conversation(setup.target, setup.decoder.drafter.name)
             print("(new conversation)")
             continue
         if line == "/stats":

@@ -168,6 +168,17 @@ def resolve(name: str) -> tuple[str, str]:
     return name, name
 
 
+def tokenizer_source(model_id: str) -> str:
+    """The name to load a served target's tokenizer from, given the model id its verify service
+    reports in `Info`: the built-in alias whose upstream id that is (the alias loads offline),
+    else the id itself (a local folder or hub id). An `@layers=N` suffix is kept."""
+    source, at, option = model_id.partition("@")
+    for alias in ALIASES.values():
+        if source in (alias.hf_id, alias.name):
+            return alias.name + at + option
+    return model_id
+
+
 def load_tokenizer(name: str):
     from transformers import AutoTokenizer
 

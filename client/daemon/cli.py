@@ -47,7 +47,7 @@ def cmd_up(args, local_verifier=None) -> None:
         raise ValueError(f"--host {args.host} is reachable from other machines: set --api-key")
     config = client_config(args)
     setup = build_client(config, local_verifier)
-    server = DaemonServer(daemon_app(setup, args.target, api_key=api_key, max_queue=args.max_queue,
+    server = DaemonServer(daemon_app(setup, setup.target, api_key=api_key, max_queue=args.max_queue,
                                      max_new_tokens=args.max_new_tokens, private_ngram=args.private_ngram,
                                      max_request_bytes=args.max_request_bytes, system=args.system),
                           args.host, args.port)
