@@ -2,7 +2,8 @@
 
 Each cache layer holds keys and values shaped [B, Hkv, T, D]. After a tree forward the cache holds
 prefix + tree rows; committing the accepted path keeps the prefix and the accepted rows, in path
-order, and drops the rest (EAGLE, Li et al. 2024, "copy accepted KV to contiguous slots, then crop").
+order, and drops the rest (EAGLE, Li et al. 2024, "copy accepted KV to contiguous slots, then crop"),
+in place: the accepted rows are copied over the first tree rows and the cache is cropped.
 No recomputation: the kept entries are the ones the tree forward computed.
 """
 from __future__ import annotations
@@ -90,12 +91,17 @@ def keep_rows(cache: DynamicCache, prefix_len: int, rows: list[int]) -> None:
     if rows == list(range(len(rows))):  # already contiguous: a crop is enough
         truncate(cache, prefix_len + len(rows))
         return
+    index = None
     for layer in _layers(cache):
         if not getattr(layer, "is_initialized", True):
             continue
-        index = torch.tensor(rows, device=layer.keys.device) + prefix_len
-        layer.keys = torch.cat([layer.keys[..., :prefix_len, :], layer.keys.index_select(-2, index)], dim=-2)
-        layer.values = torch.cat([layer.values[..., :prefix_len, :], layer.values.index_select(-2, index)], dim=-2)
+        if index is None or index.device != layer.keys.device:
+            index = torch.tensor(rows, device=layer.keys.device) + prefix_len
+        # in place: the accepted rows move right after the prefix (gathered first, as source and
+        # destination may overlap), so the cost grows with the accepted rows, not the context
+        for tensor in (layer.keys, layer.values):
+            tensor[..., prefix_len: prefix_len + len(rows), :] = tensor.index_select(-2, index)
+    truncate(cache, prefix_len + len(rows))
 
 
 def layer_kv(cache: DynamicCache, layer: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
