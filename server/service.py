@@ -395,7 +395,11 @@ def server_options(limits: ServerLimits) -> list[tuple[str, int]]:
     ping policy.
 
     `max_concurrent_streams` is announced in HTTP/2 SETTINGS: a client's further calls on the same
-    connection wait on the client until one of its streams ends (they are not refused).
+    connection wait on the client until one of its streams ends. A stream that has ended on the
+    client can still count on the server for a moment; a call sent in that window is refused with
+    REFUSED_STREAM (UNAVAILABLE, never seen by the servicer), which gRPC retries once by itself.
+    Clients that run more calls per connection than the limit should enable a gRPC retry policy
+    on UNAVAILABLE (splitspec's own client keeps far fewer calls open than the default limit, 32).
 
     The server pings every `keepalive_time_s` and drops a connection whose ping is not acknowledged
     within `keepalive_timeout_s`; it accepts client pings as often as every `min_ping_interval_s`
