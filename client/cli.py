@@ -55,8 +55,10 @@ def add_client_args(p: argparse.ArgumentParser, chat: bool = False) -> None:
                    help=f"target model: loaded here with --local (default {DEFAULT_TARGET}); with --server, "
                         "where its tokenizer comes from (default: the model the server reports)")
     p.add_argument("--drafter", default="auto",
-                   help="auto | none | ngram | draft-model:MODEL[@layers=N] | moa[:tli=N|:PATH] | eagle2[:PATH]; "
-                        "auto = the MoA checkpoint shipped for the target, else ngram; options ;lsa= ;quant= "
+                   help="auto | none | ngram | draft-model:MODEL[@layers=N] | moa[:tli=N|:PATH] | eagle2[:PATH] | "
+                        "swift[:ratio=R]; auto = the MoA checkpoint shipped for the target, else ngram; swift "
+                        "drafts with the target's own layers, so with --server the target's weights must also be "
+                        "here (--target), and the server sends every layer's K/V; options ;lsa= ;quant= "
                         ";vocab= ;tree=DxBxN override the flags below (shared/drafters/spec.py)")
     p.add_argument("--lsa-placement", default="client", choices=["client", "server"],
                    help="MoA: run Layer Self-Attention here (server sends all layers' K/V) or on the server")

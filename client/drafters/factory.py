@@ -18,6 +18,7 @@ from .draft_model import DraftModelDrafter
 from .eagle import EagleRuntime
 from .moa import MoARuntime
 from .ngram import NgramDrafter
+from .swift import SwiftConfig, SwiftDrafter
 
 FEATURE_QUANT = {"fp16": pb.QUANTIZATION_NONE, "int8": pb.QUANTIZATION_INT8, "fp8": pb.QUANTIZATION_FP8_E4M3}
 
@@ -33,11 +34,12 @@ def make_drafter(spec: DrafterSpec, *, target_fingerprint: str, target: str | No
     Args:
         target_fingerprint: the tokenizer fingerprint of the target the drafts are for.
         target / target_model: the target (name, and the loaded model if at hand) whose frozen
-            parts the self-drafting drafters (moa, eagle2) reuse; `target` also picks `auto`.
+            parts the self-drafting drafters (moa, eagle2) reuse and whose layers swift skips;
+            `target` also picks `auto`.
         device, dtype: where a draft-model drafter runs.
         seed: the user's seed; drafters draw from its Stream.DRAFTER stream (shared/sampling.py).
     Raises:
-        ValueError: moa / eagle2 without a target, or a checkpoint of another kind.
+        ValueError: moa / eagle2 / swift without a target, or a checkpoint of another kind.
         TokenizerMismatch: a drafter whose tokenizer fingerprint differs from the target's.
         FileNotFoundError: spec.vocab > 0 for a target without token counts.
         CheckpointMismatch: a checkpoint trained for another target.
@@ -50,6 +52,8 @@ def make_drafter(spec: DrafterSpec, *, target_fingerprint: str, target: str | No
         return NoDrafter()
     if spec.kind == "ngram":
         return NgramDrafter()
+    if spec.kind == "swift":
+        return _swift(spec, target_fingerprint=target_fingerprint, target=target, target_model=target_model, seed=seed)
     model, tokenizer, model_id = load_model(spec.model, device=device, dtype=dtype)
     fingerprint = tokenizer_fingerprint(tokenizer)
     if fingerprint != target_fingerprint:
@@ -85,6 +89,20 @@ def _self_drafter(spec: DrafterSpec, *, target_fingerprint: str, target: str | N
     lsa_id = checkpoint_id(path) if spec.lsa == "server" else ""
     return MoARuntime(module, parts, spec.tree, lsa_placement=spec.lsa, lsa_id=lsa_id, quantization=quantization,
                       seed=seed)
+
+
+def _swift(spec: DrafterSpec, *, target_fingerprint: str, target: str | None, target_model, seed: int) -> Drafter:
+    """SWIFT over the target's own weights (shared with `target_model` when given, see make_drafter)."""
+    if target is None and target_model is None:
+        raise ValueError("swift drafts with the target's own layers: it needs the target model (--target)")
+    if target_model is None:
+        target_model, tokenizer, _ = load_model(target)
+        if tokenizer_fingerprint(tokenizer) != target_fingerprint:
+            raise TokenizerMismatch(f"{target} tokenizes differently from the server's target")
+    config = SwiftConfig(seed=seed) if spec.ratio is None else SwiftConfig(ratio=spec.ratio, seed=seed)
+    drafter = SwiftDrafter(target_model, config, quantization=FEATURE_QUANT[spec.quant])
+    drafter.name = spec.name
+    return drafter
 
 
 def draft_vocab_ids(target: str, size: int, fingerprint: str):

@@ -4,9 +4,11 @@ Grammar (`generate --drafter`, `bench --methods`, `serve --lsa`, `offline-eval -
 
     NAME[;lsa=client|server][;quant=fp16|int8|fp8][;vocab=N][;tree=DEPTHxTOPBxNODES]
     NAME = auto | none | ngram | draft-model:MODEL[@layers=N] | moa[:tli=N | :PATH] | eagle2[:PATH]
+         | swift[:ratio=R]
 
 `auto` is the MoA checkpoint shipped for the target, else `ngram`; moa and eagle2 without a PATH
-use the checkpoint shipped for the target (shared/drafters/shipped.py). The options are MoA's LSA
+use the checkpoint shipped for the target (shared/drafters/shipped.py); swift skips the share R of
+the target's layers while drafting (training-free, client/drafters/swift.py). The options are MoA's LSA
 placement, the features' quantization (moa, eagle2), the draft vocabulary (moa, eagle2: the N most
 frequent tokens, 0 = full, -1 = the default) and the EAGLE-2 draft tree. Options left out take the
 defaults the caller passes (the command's --lsa-placement, --feature-quant, ... flags).
@@ -21,7 +23,7 @@ from splitspec.shared.config import TreeConfig
 
 from .shipped import default_checkpoint, has_shipped_checkpoint
 
-KINDS = ("auto", "none", "ngram", "draft-model", "moa", "eagle2")
+KINDS = ("auto", "none", "ngram", "draft-model", "moa", "eagle2", "swift")
 SELF_DRAFTING = ("moa", "eagle2")  # drafters built on the target's own frozen parts
 LSA_PLACEMENTS = ("client", "server")
 QUANTIZATIONS = ("fp16", "int8", "fp8")
@@ -34,7 +36,8 @@ class DrafterSpec:
     """One drafter and its options; `parse` reads the grammar above and `str` writes it back.
 
     kind: one of KINDS. model: draft-model's MODEL[@layers=N]. tli: moa's shipped checkpoint
-    moa-tli<N>. path: a moa / eagle2 checkpoint folder instead of the shipped one.
+    moa-tli<N>. path: a moa / eagle2 checkpoint folder instead of the shipped one. ratio: swift's
+    share of skipped layers (None = SwiftConfig's default).
 
     Raises:
         ValueError: an unknown kind, a missing or misplaced argument, an option out of range.
@@ -44,6 +47,7 @@ class DrafterSpec:
     model: str | None = None
     tli: int | None = None
     path: str | None = None
+    ratio: float | None = None
     lsa: str = "client"  # MoA: Layer Self-Attention on this device or on the server
     quant: str = "fp16"  # quantization of the features the server sends
     vocab: int = -1  # draft vocabulary size: -1 = DEFAULT_DRAFT_VOCAB when counts ship, 0 = full
@@ -52,12 +56,14 @@ class DrafterSpec:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown drafter {self.kind!r}; expected none, ngram, draft-model:MODEL[@layers=N], "
-                             "moa[:tli=N|:PATH] or eagle2[:PATH]")
+                             "moa[:tli=N|:PATH], eagle2[:PATH] or swift[:ratio=R]")
         if (self.kind == "draft-model") != bool(self.model):
             raise ValueError("draft-model needs a model: draft-model:MODEL[@layers=N]" if self.kind == "draft-model"
                              else f"{self.kind} takes no model")
         if (self.tli is not None and self.kind != "moa") or (self.path and self.kind not in SELF_DRAFTING):
             raise ValueError(f"{self.kind} takes no tli= or checkpoint path")
+        if self.ratio is not None and (self.kind != "swift" or not 0.0 <= self.ratio < 1.0):
+            raise ValueError(f"swift:ratio=R needs 0 <= R < 1 (and only swift takes it), got {self.ratio}")
         if self.tli is not None and self.tli < 0:
             raise ValueError(f"moa:tli=N needs N >= 0, got {self.tli}")
         if self.lsa not in LSA_PLACEMENTS or self.quant not in QUANTIZATIONS:
@@ -87,6 +93,7 @@ class DrafterSpec:
     def name(self) -> str:
         """The drafter without its options: `moa:tli=1`, `draft-model:MODEL`, `eagle2:PATH`."""
         arg = self.model or self.path or (f"tli={self.tli}" if self.tli is not None else "")
+        arg = arg or (f"ratio={self.ratio:g}" if self.ratio is not None else "")
         return f"{self.kind}:{arg}" if arg else self.kind
 
     def __str__(self) -> str:
@@ -128,6 +135,13 @@ def _name_fields(name: str) -> dict:
             return {"kind": kind, "tli": int(arg.removeprefix("tli="))}
         except ValueError:
             raise ValueError(f"moa:tli=N needs an integer, got {name!r}") from None
+    if kind == "swift":
+        try:
+            if not arg.startswith("ratio="):
+                raise ValueError
+            return {"kind": kind, "ratio": float(arg.removeprefix("ratio="))}
+        except ValueError:
+            raise ValueError(f"swift takes only ratio=R (a share of layers in [0, 1)), got {name!r}") from None
     return {"kind": kind, "path": arg}
 
 
