@@ -203,10 +203,19 @@ def cmd_bench(args) -> None:
         records = run_arms(cfg, prompts, arms, model, tokenizer, meta)
     table = render_markdown(records, meta, cfg)
     print(table)
+    # what adaptive drafters settled on (SWIFT: its skip-set search)
+    reports = {arm.label: report for arm in arms
+               if (report := getattr(getattr(arm.decoder, "drafter", None), "report", dict)())}
+    for label, report in reports.items():
+        if "best" in report:
+            print(f"{label}: skips layers {report['best']} (matchness {report['best_matchness']:.3f} after "
+                  f"{report['steps']} search steps)", file=sys.stderr)
     if cfg.out:
         cfg.out.mkdir(parents=True, exist_ok=True)
         (cfg.out / "results.jsonl").write_text("".join(json.dumps(r.to_json()) + "\n" for r in records))
         (cfg.out / "table.md").write_text(table + "\n")
+        if reports:
+            (cfg.out / "drafters.json").write_text(json.dumps(reports, indent=1) + "\n")
         for path in write_plots(records, cfg.out, list(_profile_names(records))):
             print(f"wrote {path}", file=sys.stderr)
 

@@ -53,6 +53,11 @@ class Drafter(ABC):
     def commit(self, new_tokens: Sequence[int], features: FeatureBatch) -> None:
         """Tokens were committed (accepted + bonus); `features` cover the newly cached positions."""
 
+    def report(self) -> dict:
+        """What the drafter adapted while it ran (JSON-serialisable; SWIFT: its skip-set search),
+        for benchmarks to record. Empty by default."""
+        return {}
+
     def rollback(self, length: int) -> None:
         """The committed context was cut back to its first `length` tokens (offline text healed by the
         target); drop any state for later positions. Features never cover positions >= `length - 1`

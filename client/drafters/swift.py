@@ -243,6 +243,14 @@ class SwiftDrafter(Drafter):
             if getattr(layer, "is_initialized", True) and layer.get_seq_length() > length:
                 layer.crop(length - layer.get_seq_length())
 
+    def report(self) -> dict:
+        """The search so far: {"layers", "n_skip", "best", "best_matchness", "steps", "done",
+        "history": [[step, skip set, matchness], ...]}."""
+        search = self.search
+        return {"layers": self.num_layers, "n_skip": search.n_skip, "best": list(search.best),
+                "best_matchness": search.best_matchness, "steps": search.steps, "done": search.done,
+                "history": [[step, list(skip), m] for step, skip, m in search.history]}
+
     # -- the skipped model -----------------------------------------------------------------------
 
     def _forward(self, skip: tuple[int, ...], tokens: list[int], positions: list[int], mask: torch.Tensor
