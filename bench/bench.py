@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from splitspec.client.drafters.factory import make_drafter
 from splitspec.client.loop import SpeculativeDecoder
+from splitspec.client.tree_planner import TreePlanner
 from splitspec.client.transport import RemoteVerifier, load_client_security
 from splitspec.netsim import load_profile
 from splitspec.netsim.backends import RelayBackend
@@ -204,9 +205,10 @@ def cmd_bench(args) -> None:
     table = render_markdown(records, meta, cfg)
     print(table)
     # what adaptive drafters settled on (SWIFT: its skip-set search)
-    reports = {arm.label: report for arm in arms
-               if (report := getattr(getattr(arm.decoder, "drafter", None), "report", dict)())}
+    reports = {arm.label: report for arm in arms if (report := _adaptive_report(arm.decoder))}
     for label, report in reports.items():
+        if "planner" in report:
+            print(f"{label}: trees chosen {report['planner']['chosen']}", file=sys.stderr)
         if "best" in report:
             print(f"{label}: skips layers {report['best']} (matchness {report['best_matchness']:.3f} after "
                   f"{report['steps']} search steps)", file=sys.stderr)
@@ -220,6 +222,16 @@ def cmd_bench(args) -> None:
             print(f"wrote {path}", file=sys.stderr)
 
 
+def _adaptive_report(decoder) -> dict:
+    """What a decoder's adaptive parts settled on: the drafter's report (SWIFT's search) and the
+    network-aware planner's, if any."""
+    report = dict(getattr(getattr(decoder, "drafter", None), "report", dict)())
+    planner = getattr(decoder, "planner", None)
+    if planner is not None:
+        report["planner"] = planner.report()
+    return report
+
+
 def build_arms(cfg: BenchConfig, stack: contextlib.ExitStack, model, tokenizer, model_id) -> list[Arm]:
     """The local arms, then one server process and, per profile, a link and the split arms.
     Everything started is registered on `stack` for teardown."""
@@ -230,7 +242,10 @@ def build_arms(cfg: BenchConfig, stack: contextlib.ExitStack, model, tokenizer, 
         return make_drafter(spec, target_fingerprint=fingerprint, target=cfg.target, target_model=model,
                             seed=cfg.seed)
 
-    arms = [Arm("local", m, SpeculativeDecoder(local, drafter(cfg.local_spec(m)))) for m in cfg.local_methods]
+    def decoder(verifier, spec: DrafterSpec, built=None):
+        return SpeculativeDecoder(verifier, built or drafter(spec), planner=TreePlanner() if spec.adaptive else None)
+
+    arms = [Arm("local", m, decoder(local, cfg.local_spec(m))) for m in cfg.local_methods]
     if not cfg.methods:
         return arms
     specs = {m: cfg.split_spec(m) for m in cfg.methods}
@@ -246,7 +261,7 @@ def build_arms(cfg: BenchConfig, stack: contextlib.ExitStack, model, tokenizer, 
         stack.callback(verifier.close)
         for m in cfg.methods:
             spec = specs[m]
-            arms.append(Arm("split", m, SpeculativeDecoder(verifier, drafters[m]),
+            arms.append(Arm("split", m, decoder(verifier, spec, drafters[m]),  # a planner per link when adaptive
                             profile=profile.name if profile else "loopback", backend=backend,
                             link=profile.to_dict() if profile else None, lsa=spec.lsa if spec.kind == "moa" else None,
                             quant=spec.quant if spec.kind in ("moa", "eagle2") else None))

@@ -17,6 +17,7 @@ from splitspec.shared.verifier import Verifier
 from .drafters.factory import make_drafter
 from .loop import SpeculativeDecoder
 from .reconnect import OfflinePolicy
+from .tree_planner import TreePlanner
 from .transport import RemoteVerifier, load_client_security
 
 # (target, device, dtype) -> (a verifier running the target in this process, its tokenizer)
@@ -85,7 +86,9 @@ def build_client(cfg: ClientConfig, local_verifier: LocalVerifierFactory | None 
     drafter = make_drafter(cfg.drafter, target_fingerprint=verifier.info.tokenizer_fingerprint, target=target,
                            target_model=verifier.target_model, device=cfg.device, dtype=cfg.dtype,
                            seed=cfg.sampling.seed)
-    return ClientSetup(SpeculativeDecoder(verifier, drafter, cfg.offline), tokenizer, cfg.sampling, mode, target)
+    planner = TreePlanner() if cfg.drafter.adaptive else None
+    return ClientSetup(SpeculativeDecoder(verifier, drafter, cfg.offline, planner), tokenizer, cfg.sampling, mode,
+                       target)
 
 
 def _server_tokenizer(target: str | None, verifier) -> tuple[str, object]:

@@ -81,6 +81,9 @@ def add_client_args(p: argparse.ArgumentParser, chat: bool = False) -> None:
     p.add_argument("--tree-depth", type=int, default=TreeConfig.depth)
     p.add_argument("--tree-top-b", type=int, default=TreeConfig.top_b)
     p.add_argument("--tree-nodes", type=int, default=TreeConfig.max_nodes)
+    p.add_argument("--adaptive-tree", action="store_true",
+                   help="network-aware trees: pick each step's depth, top-B and nodes from the measured link, "
+                        "verify and drafting times and acceptance (moa, eagle2, draft-model; client/tree_planner.py)")
     p.add_argument("--system", default=None, help="system prompt (chat template)")
     p.add_argument("--timeout", type=float, default=60.0, help="deadline of Info and OpenSession calls, s")
     p.add_argument("--step-timeout", type=float, default=10.0,
@@ -120,7 +123,8 @@ def client_config(args):
         top_p = default_top_p if top_p is None else top_p
     tree = TreeConfig(depth=args.tree_depth, top_b=args.tree_top_b, max_nodes=args.tree_nodes)
     drafter = DrafterSpec.parse("none" if args.no_spec else args.drafter, lsa=args.lsa_placement,
-                                quant=args.feature_quant, vocab=args.draft_vocab, tree=tree)
+                                quant=args.feature_quant, vocab=args.draft_vocab, tree=tree,
+                                adaptive=args.adaptive_tree)
     return ClientConfig(
         target=args.target, drafter=drafter, server=None if args.local else args.server,
         sampling=SamplingParams(temperature, top_p, args.top_k, args.seed),

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from splitspec.shared.config import TreeConfig
 from splitspec.shared.records import AnswerRecord
 from splitspec.shared.sampling import SamplingParams
 from splitspec.shared.verifier import CallStats, LinkDown, SessionLost, StepResult, Verifier
@@ -34,6 +35,7 @@ from .drafters import DraftLimits, Drafter
 from .plan import ServerView, StepLimits, plan_step
 from .privacy import PrivacyGuard, best_path
 from .reconnect import OfflinePolicy, ReconnectProbe
+from .tree_planner import TreePlanner
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,7 @@ class GenerationStats:
     retracted_tokens: int = 0  # offline tokens withdrawn after the target rejected them (heal)
     disconnects: int = 0
     reopened_sessions: int = 0
+    trees: dict[str, int] = field(default_factory=dict)  # tree shapes a network-aware planner chose: "DxBxN" -> calls
 
     def record(self) -> AnswerRecord:
         """The answer's counts, as benchmarks pool them."""
@@ -103,6 +106,7 @@ class GenerationStats:
             "offline_tokens": self.offline_tokens, "private_tokens": self.private_tokens,
             "retracted_tokens": self.retracted_tokens, "disconnects": self.disconnects,
             "reopened_sessions": self.reopened_sessions,
+            **({"trees": dict(self.trees)} if self.trees else {}),
         }
 
     def summary(self) -> str:
@@ -128,12 +132,25 @@ class Generation:
 
 
 class SpeculativeDecoder:
-    """Runs the loop for one drafter against one verifier."""
+    """Runs the loop for one drafter against one verifier.
 
-    def __init__(self, verifier: Verifier, drafter: Drafter, offline: OfflinePolicy = OfflinePolicy()) -> None:
+    `planner`: a network-aware TreePlanner (client/tree_planner.py) that picks the tree shape of
+    each proposal from measured link, verify and drafting times and acceptance; only for drafters
+    that draft EAGLE-2 dynamic trees (they hold a `tree: TreeConfig`).
+
+    Raises:
+        ValueError: a planner for a drafter without a tree shape.
+    """
+
+    def __init__(self, verifier: Verifier, drafter: Drafter, offline: OfflinePolicy = OfflinePolicy(),
+                 planner: TreePlanner | None = None) -> None:
+        if planner is not None and not isinstance(getattr(drafter, "tree", None), TreeConfig):
+            raise ValueError(f"the {drafter.name} drafter has no tree shape to adapt; network-aware trees are for "
+                             "moa, eagle2 and draft-model")
         self.verifier = verifier
         self.drafter = drafter
         self.offline = offline
+        self.planner = planner
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                  *, stop_on_eos: bool = True, on_tokens: TokenCallback | None = None,
@@ -169,6 +186,7 @@ class _Run:
     def __init__(self, dec: SpeculativeDecoder, prompt: list[int], budget: int, sampling: SamplingParams,
                  stop_on_eos: bool, on_tokens, on_event, privacy: PrivacyGuard | None, should_stop=None) -> None:
         self.verifier, self.drafter, self.policy, self.sampling = dec.verifier, dec.drafter, dec.offline, sampling
+        self.planner = dec.planner
         self.on_tokens, self.on_event = on_tokens, on_event
         self.privacy = privacy if privacy is not None and privacy.active else None
         eos = set(self.verifier.info.eos_token_ids) if stop_on_eos else set()
@@ -282,7 +300,9 @@ class _Run:
         if plan is None:
             return
         tree, probs = plan.tree, plan.draft_probs
-        if tree is None:
+        drafted = tree is None
+        if drafted:
+            draft_start = self.stats.draft_ms
             proposal = self._propose()
             if proposal is None:
                 return  # privately produced tokens were written; no call needed for them yet
@@ -291,14 +311,20 @@ class _Run:
         self.inflight_forced = len(plan.forced)
         result = self.session.verify(tree, probs, plan.forced)
         self._record(result)
+        if drafted and self.planner is not None and not plan.forced:
+            self.planner.observe(tree, result.accepted_tokens, result.stats, self.stats.draft_ms - draft_start)
         self._apply(len(plan.forced), result)
 
     def _propose(self):
         answer = self.answer
         tic = time.perf_counter()
         # the tree's depth leaves room for the bonus token within the budget
-        proposal = self.drafter.propose(answer.context, self._limits(answer.budget - answer.answer_len - 1),
-                                        self.sampling)
+        limits = self._limits(answer.budget - answer.answer_len - 1)
+        if self.planner is not None:
+            self.drafter.tree = self.planner.choose(limits.max_depth, limits.max_nodes)
+            shape = f"{self.drafter.tree.depth}x{self.drafter.tree.top_b}x{self.drafter.tree.max_nodes}"
+            self.stats.trees[shape] = self.stats.trees.get(shape, 0) + 1
+        proposal = self.drafter.propose(answer.context, limits, self.sampling)
         self.stats.draft_ms += (time.perf_counter() - tic) * 1e3
         if self.privacy is None:
             return proposal

@@ -2,7 +2,7 @@
 
 Grammar (`generate --drafter`, `bench --methods`, `serve --lsa`, `offline-eval --drafters`):
 
-    NAME[;lsa=client|server][;quant=fp16|int8|fp8][;vocab=N][;tree=DEPTHxTOPBxNODES]
+    NAME[;lsa=client|server][;quant=fp16|int8|fp8][;vocab=N][;tree=DEPTHxTOPBxNODES|adaptive]
     NAME = auto | none | ngram | draft-model:MODEL[@layers=N] | moa[:tli=N | :PATH] | eagle2[:PATH]
          | swift[:ratio=R]
 
@@ -10,7 +10,8 @@ Grammar (`generate --drafter`, `bench --methods`, `serve --lsa`, `offline-eval -
 use the checkpoint shipped for the target (shared/drafters/shipped.py); swift skips the share R of
 the target's layers while drafting (training-free, client/drafters/swift.py). The options are MoA's LSA
 placement, the features' quantization (moa, eagle2), the draft vocabulary (moa, eagle2: the N most
-frequent tokens, 0 = full, -1 = the default) and the EAGLE-2 draft tree. Options left out take the
+frequent tokens, 0 = full, -1 = the default) and the EAGLE-2 draft tree (`adaptive`: chosen each step
+by the client's network-aware planner, client/tree_planner.py). Options left out take the
 defaults the caller passes (the command's --lsa-placement, --feature-quant, ... flags).
 The server uses the same grammar for the MoA checkpoints whose LSA it hosts, hence shared/.
 """
@@ -52,6 +53,7 @@ class DrafterSpec:
     quant: str = "fp16"  # quantization of the features the server sends
     vocab: int = -1  # draft vocabulary size: -1 = DEFAULT_DRAFT_VOCAB when counts ship, 0 = full
     tree: TreeConfig = TreeConfig()
+    adaptive: bool = False  # tree=adaptive: the client picks each step's tree (TreePlanner), from `tree` on
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -102,7 +104,9 @@ class DrafterSpec:
         words = [self.name]
         words += [f"{key}={getattr(self, key)}" for key in ("lsa", "quant", "vocab")
                   if getattr(self, key) != getattr(defaults, key)]
-        if self.tree != defaults.tree:
+        if self.adaptive:
+            words.append("tree=adaptive")
+        elif self.tree != defaults.tree:
             words.append(f"tree={self.tree.depth}x{self.tree.top_b}x{self.tree.max_nodes}")
         return ";".join(words)
 
@@ -151,12 +155,14 @@ def _option_fields(given: dict[str, str], text: str) -> dict:
     try:
         if "vocab" in given:
             fields["vocab"] = int(given["vocab"])
-        if "tree" in given:
+        if given.get("tree") == "adaptive":
+            fields["adaptive"] = True
+        elif "tree" in given:
             sizes = given["tree"].split("x")
             if len(sizes) != 3:
                 raise ValueError
             fields["tree"] = TreeConfig(*map(int, sizes))
     except ValueError:
         raise ValueError(f"{text!r}: vocab is an integer (0 = full vocabulary) and tree is DEPTHxTOPBxNODES, "
-                         "each >= 1") from None
+                         "each >= 1, or adaptive") from None
     return fields

@@ -1,0 +1,194 @@
+"""Network-aware draft trees: the client picks each step's tree shape from what it measures as it
+runs (issue 13; MoA, seed 001, names adapting the draft to the network as future work).
+
+Measured online, per answer and carried across answers of one decoder:
+- the link's cost per call: the client's round trip minus the server's own time (EWMA);
+- the server's verify time against the positions scored, `a + b * positions`, a least-squares fit
+  shrunk toward a prior slope (a fixed tree alone cannot identify the slope);
+- the drafter's time against tree depth, `c + d * depth`, fitted the same way;
+- acceptance by depth and sibling rank: how often the accepted path's child at depth k was the
+  r-th ranked child of its parent, among the times a parent on the path offered an r-th child.
+
+Cost model (EAGLE-2's dynamic tree, Li et al. 2024, §4, with the expected-length argument of
+Leviathan et al. 2023, §3.5 extended to trees): with q_k(B) the chance that one of the top-B children
+at depth k is accepted, a tree of depth D, top-B and N nodes yields
+
+    E[tokens] = 1 + sum_{d=1..D} prod_{k=1..d} q_k(min(B, max(1, N // D)))
+
+per call (the bonus token included) and costs draft(D) + link + verify(N + 1) milliseconds; the
+planner picks the (D, B, N) of a grid that maximises E[tokens] / cost. Every choice is a valid
+tree for the same drafter, so decoding stays lossless whatever is chosen. When the link changes
+(4g -> lan), the EWMA of its cost follows within a few calls and so does the choice.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from splitspec.shared.config import TreeConfig
+from splitspec.shared.tree import ROOT, DraftTree
+from splitspec.shared.verifier import CallStats
+
+MAX_DEPTH = 8
+MAX_RANK = 4
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """The grid the planner chooses from and its priors.
+
+    depths, top_bs, node_counts: candidate tree shapes (N >= D and N <= D * B are kept).
+    prior_accept: prior chance that the top-ranked child at depth 1 is accepted; rank r gets
+        prior_accept * rank_decay ** r and depth k a factor depth_decay ** (k - 1); each prior
+        counts as `prior_weight` observations.
+    link_alpha: EWMA weight of the newest link cost.
+    verify_slope_prior: prior verify cost per extra position, as a share of the one-position
+        time (0.15: 5 positions ~1.6x one on the project's CPU, docs/benchmarks.md "Cost model").
+    draft_slope_prior: prior drafting ms per level, as a share of the one-position verify time.
+    """
+
+    depths: tuple[int, ...] = (1, 2, 3, 4, 5, 6)
+    top_bs: tuple[int, ...] = (1, 2, 3, 4)
+    node_counts: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24)
+    prior_accept: float = 0.35
+    rank_decay: float = 0.4
+    depth_decay: float = 0.9
+    prior_weight: float = 4.0
+    link_alpha: float = 0.3
+    verify_slope_prior: float = 0.15
+    draft_slope_prior: float = 0.15
+    window: int = 64
+
+
+def path_ranks(tree: DraftTree, accepted: Sequence[int]) -> list[tuple[int, int | None]]:
+    """For each depth the accepted path reached a parent of: (children offered, rank of the
+    accepted child or None). Siblings are ranked by index (the drafters order them by score).
+
+    `accepted` are the accepted draft tokens, root first; a rejected depth ends the list.
+    """
+    out: list[tuple[int, int | None]] = []
+    parent = ROOT
+    for depth in range(len(accepted) + 1):
+        children = tree.children(parent)
+        if not children:
+            break
+        if depth == len(accepted):
+            out.append((len(children), None))
+            break
+        token = accepted[depth]
+        rank = next((r for r, c in enumerate(children) if tree.tokens[c] == token), None)
+        out.append((len(children), rank))
+        if rank is None:  # the server accepted a token the tree does not hold: nothing more to learn
+            break
+        parent = children[rank]
+    return out
+
+
+class _LinearFit:
+    """y = a + b x by least squares over a window, with the slope shrunk toward `slope_prior(a)`."""
+
+    def __init__(self, window: int) -> None:
+        self.points: collections.deque[tuple[float, float]] = collections.deque(maxlen=window)
+
+    def add(self, x: float, y: float) -> None:
+        self.points.append((x, y))
+
+    def predict(self, x: float, slope_share: float, default: float) -> float:
+        if not self.points:
+            return default * (1.0 + slope_share * (x - 1))
+        xs = np.array([p[0] for p in self.points])
+        ys = np.array([p[1] for p in self.points])
+        # ridge toward the prior slope (a share of the intercept), weighted like 4 observations
+        base = float(np.median(ys / (1.0 + slope_share * (xs - 1))))
+        prior_b = slope_share * base
+        lam = 4.0
+        x_mean, y_mean = xs.mean(), ys.mean()
+        sxx = float(((xs - x_mean) ** 2).sum())
+        sxy = float(((xs - x_mean) * (ys - y_mean)).sum())
+        b = (sxy + lam * prior_b) / (sxx + lam)
+        a = y_mean - b * x_mean
+        return max(a + b * x, 0.0)
+
+
+@dataclass
+class TreePlanner:
+    """Chooses each step's TreeConfig from online measurements (see the module docstring)."""
+
+    config: PlannerConfig = PlannerConfig()
+    link_ms: float | None = None
+    hits: np.ndarray = field(default_factory=lambda: np.zeros((MAX_DEPTH, MAX_RANK)))
+    offered: np.ndarray = field(default_factory=lambda: np.zeros((MAX_DEPTH, MAX_RANK)))
+
+    def __post_init__(self) -> None:
+        self.verify_fit = _LinearFit(self.config.window)
+        self.draft_fit = _LinearFit(self.config.window)
+        self.chosen: collections.Counter[str] = collections.Counter()
+
+    # -- measurements ------------------------------------------------------------------------
+
+    def observe(self, tree: DraftTree, accepted: Sequence[int], call: CallStats, draft_ms: float) -> None:
+        """One Verify of `tree` (not an offline chain or a forced-token call) and its outcome."""
+        link = max(call.rtt_ms - call.server_total_ms, 0.0)
+        alpha = self.config.link_alpha
+        self.link_ms = link if self.link_ms is None else (1 - alpha) * self.link_ms + alpha * link
+        if call.server_forward_ms > 0:
+            self.verify_fit.add(tree.size + 1, call.server_forward_ms)
+        depth = max(tree.depths(), default=0)
+        if depth:
+            self.draft_fit.add(depth, draft_ms)
+        for d, (offered, rank) in enumerate(path_ranks(tree, accepted)[:MAX_DEPTH]):
+            self.offered[d, : min(offered, MAX_RANK)] += 1
+            if rank is not None and rank < MAX_RANK:
+                self.hits[d, rank] += 1
+
+    # -- the model ---------------------------------------------------------------------------
+
+    def accept_rates(self) -> np.ndarray:
+        """[MAX_DEPTH, MAX_RANK]: chance that the rank-r child at depth d is the accepted one,
+        given the path reached its parent and it was offered (priors blended in)."""
+        cfg = self.config
+        ranks = np.arange(MAX_RANK)[None, :]
+        depths = np.arange(MAX_DEPTH)[:, None]
+        prior = cfg.prior_accept * cfg.rank_decay ** ranks * cfg.depth_decay ** depths
+        return (self.hits + cfg.prior_weight * prior) / (self.offered + cfg.prior_weight)
+
+    def expected_tokens(self, tree: TreeConfig) -> float:
+        """E[tokens per call] of a tree shape (module docstring); the bonus token included."""
+        rates = self.accept_rates()
+        width = min(tree.top_b, max(1, tree.max_nodes // tree.depth), MAX_RANK)
+        expected, reach = 1.0, 1.0
+        for d in range(min(tree.depth, MAX_DEPTH)):
+            reach *= min(float(rates[d, :width].sum()), 1.0)
+            expected += reach
+        return expected
+
+    def step_ms(self, tree: TreeConfig) -> float:
+        """Predicted wall time of one step with this tree: drafting + link + verify."""
+        one = self.verify_fit.predict(1, self.config.verify_slope_prior, 40.0)
+        verify = self.verify_fit.predict(tree.max_nodes + 1, self.config.verify_slope_prior, 40.0)
+        draft = self.draft_fit.predict(tree.depth, 1.0, self.config.draft_slope_prior * one)
+        return draft + (self.link_ms or 0.0) + verify
+
+    def candidates(self, max_depth: int, max_nodes: int) -> list[TreeConfig]:
+        cfg = self.config
+        out = [TreeConfig(d, b, n) for d in cfg.depths for b in cfg.top_bs for n in cfg.node_counts
+               if d <= max_depth and n <= max_nodes and d <= n <= d * b]
+        return out or [TreeConfig(1, 1, 1)]
+
+    def choose(self, max_depth: int = MAX_DEPTH, max_nodes: int = 64) -> TreeConfig:
+        """The candidate tree with the most expected tokens per millisecond."""
+        best = max(self.candidates(max_depth, max_nodes),
+                   key=lambda t: (self.expected_tokens(t) / max(self.step_ms(t), 1e-3), -t.max_nodes))
+        self.chosen[f"{best.depth}x{best.top_b}x{best.max_nodes}"] += 1
+        return best
+
+    def report(self) -> dict:
+        """What the planner believes and chose so far (for stats and benchmarks)."""
+        return {"link_ms": None if self.link_ms is None else round(self.link_ms, 2),
+                "verify_ms_1": round(self.verify_fit.predict(1, self.config.verify_slope_prior, 40.0), 2),
+                "verify_ms_9": round(self.verify_fit.predict(9, self.config.verify_slope_prior, 40.0), 2),
+                "accept_top1_by_depth": [round(float(r), 3) for r in self.accept_rates()[:, 0]],
+                "chosen": dict(self.chosen)}

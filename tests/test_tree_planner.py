@@ -1,0 +1,105 @@
+"""Network-aware draft trees (client/tree_planner.py): what the planner learns from each step, the
+trees it picks as the link and the acceptance change, and that decoding stays exact with it."""
+from __future__ import annotations
+
+import pytest
+
+from splitspec.client.drafters.factory import make_drafter
+from splitspec.client.loop import SpeculativeDecoder
+from splitspec.client.tree_planner import PlannerConfig, TreePlanner, path_ranks
+from splitspec.server.local import LocalVerifier
+from splitspec.server.runner import TargetRunner
+from splitspec.shared.config import TreeConfig
+from splitspec.shared.drafters.spec import DrafterSpec
+from splitspec.shared.models import tokenizer_fingerprint
+from splitspec.shared.tree import DraftTree
+from splitspec.shared.verifier import CallStats
+
+from .helpers import reference_greedy
+
+# root -> (10, 11); 10 -> (20, 21, 22); 21 -> (30)
+TREE = DraftTree((10, 11, 20, 21, 22, 30), (-1, -1, 0, 0, 0, 3))
+
+
+def test_path_ranks_reads_the_accepted_path():
+    assert path_ranks(TREE, []) == [(2, None)]  # the root's two children, none accepted
+    assert path_ranks(TREE, [10]) == [(2, 0), (3, None)]
+    assert path_ranks(TREE, [10, 21]) == [(2, 0), (3, 1), (1, None)]
+    assert path_ranks(TREE, [10, 21, 30]) == [(2, 0), (3, 1), (1, 0)]  # the leaf has no children to offer
+    assert path_ranks(TREE, [11]) == [(2, 1)]
+
+
+def _feed(planner: TreePlanner, link_ms: float, accepted_share: float, steps: int = 60) -> None:
+    """Steps whose verify costs 40 ms + 6 ms per position, drafting 10 ms per level, a link of
+    `link_ms`, and the top child accepted at the share `accepted_share` of depths (deterministic)."""
+    tree = DraftTree.chain([1, 2, 3, 4, 5, 6])
+    for i in range(steps):
+        depth = 0
+        while depth < 6 and (i * 7 + depth * 3) % 100 < accepted_share * 100:
+            depth += 1
+        forward = 40.0 + 6.0 * (tree.size + 1)
+        planner.observe(tree, [1, 2, 3, 4, 5, 6][:depth], CallStats(forward + link_ms, forward, forward), 10.0 * 6)
+
+
+def test_a_slow_link_buys_deeper_trees():
+    fast, slow = TreePlanner(), TreePlanner()
+    _feed(fast, link_ms=0.0, accepted_share=0.5)
+    _feed(slow, link_ms=200.0, accepted_share=0.5)
+    assert slow.link_ms == pytest.approx(200.0, rel=0.05)
+    t_fast, t_slow = fast.choose(), slow.choose()
+    assert t_slow.depth > t_fast.depth, (t_fast, t_slow)
+    assert slow.expected_tokens(t_slow) > fast.expected_tokens(t_fast)
+
+
+def test_poor_acceptance_buys_small_trees():
+    good, poor = TreePlanner(), TreePlanner()
+    _feed(good, link_ms=40.0, accepted_share=0.8)
+    _feed(poor, link_ms=40.0, accepted_share=0.05)
+    assert poor.choose().max_nodes < good.choose().max_nodes
+    assert poor.accept_rates()[0, 0] < 0.15 < 0.6 < good.accept_rates()[0, 0]
+
+
+def test_the_choice_follows_a_link_change():
+    planner = TreePlanner(PlannerConfig(link_alpha=0.3))
+    _feed(planner, link_ms=200.0, accepted_share=0.5)
+    slow = planner.choose()
+    _feed(planner, link_ms=0.0, accepted_share=0.5, steps=15)  # the link got fast: 4g -> lan
+    assert planner.link_ms < 2.0
+    assert planner.choose().depth < slow.depth
+    assert sum(planner.report()["chosen"].values()) == 2
+
+
+def test_choices_respect_the_limits():
+    planner = TreePlanner()
+    _feed(planner, link_ms=500.0, accepted_share=0.9)
+    tree = planner.choose(max_depth=2, max_nodes=3)
+    assert tree.depth <= 2 and tree.max_nodes <= 3
+
+
+def test_adaptive_trees_decode_exactly(stories, stories_path):
+    """The planner changes the tree between steps; the output is still the target's greedy output,
+    and the stats say which trees were used."""
+    model, tokenizer, model_id = stories
+    runner = TargetRunner(model, tokenizer, model_id)
+    spec = DrafterSpec.parse(f"draft-model:{stories_path}@layers=3;tree=adaptive")
+    assert spec.adaptive and str(spec).endswith("tree=adaptive")
+    drafter = make_drafter(spec, target_fingerprint=tokenizer_fingerprint(tokenizer), target=model_id,
+                           target_model=model)
+    decoder = SpeculativeDecoder(LocalVerifier(runner), drafter, planner=TreePlanner())
+    for text in ("Once upon a time", "The little dog"):
+        prompt = tokenizer(text)["input_ids"]
+        ref = reference_greedy(model, prompt, 48)
+        gen = decoder.generate(prompt, len(ref), stop_on_eos=False)
+        assert gen.tokens == ref
+        assert sum(gen.stats.trees.values()) == gen.stats.target_calls - 1  # one choice per drafted call
+        assert "trees" in gen.stats.as_dict()
+    assert decoder.planner.verify_fit.points and decoder.planner.offered.sum() > 0
+
+
+def test_a_planner_needs_a_drafter_with_a_tree(stories):
+    model, tokenizer, model_id = stories
+    from splitspec.client.drafters import NoDrafter
+
+    with pytest.raises(ValueError, match="tree"):
+        SpeculativeDecoder(LocalVerifier(TargetRunner(model, tokenizer, model_id)), NoDrafter(), planner=TreePlanner())
+    assert TreeConfig(2, 2, 4) in TreePlanner().candidates(6, 64)
