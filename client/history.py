@@ -49,6 +49,20 @@ class ChatHistory:
             return self.db.execute("INSERT INTO conversations (created, target, drafter) VALUES (?, ?, ?)",
                                    (time.time(), target, drafter)).lastrowid
 
+    def conversations(self, limit: int = 200) -> list[dict]:
+        """The newest `limit` conversations: id, created (Unix s), target, drafter, title (the first
+        user message, shortened) and message count."""
+        rows = self.db.execute(
+            "SELECT c.id, c.created, c.target, c.drafter, count(m.id), "
+            "(SELECT content FROM messages WHERE conversation = c.id AND role = 'user' ORDER BY id LIMIT 1) "
+            "FROM conversations c LEFT JOIN messages m ON m.conversation = c.id GROUP BY c.id ORDER BY c.id DESC "
+            "LIMIT ?", (limit,)).fetchall()
+        return [{"id": i, "created": created, "target": target, "drafter": drafter, "messages": count,
+                 "title": (title or "")[:80]} for i, created, target, drafter, count, title in rows]
+
+    def has_conversation(self, conversation: int) -> bool:
+        return self.db.execute("SELECT 1 FROM conversations WHERE id = ?", (conversation,)).fetchone() is not None
+
     def last_conversation(self) -> int | None:
         row = self.db.execute("SELECT max(id) FROM conversations").fetchone()
         return row[0]

@@ -4,6 +4,9 @@ splitspec's additions in `splitspec` fields (docs/daemon.md).
     POST /v1/chat/completions   streaming (server-sent events) or not
     GET  /v1/models
     GET  /health                no API key needed
+    GET  /                      the chat page (client/daemon/static/chat.html), no API key needed
+    GET  /splitspec/conversations, POST /splitspec/conversations, GET /splitspec/conversations/{id}
+                                the chat history the page lists (client/history.py)
 """
 from __future__ import annotations
 
@@ -13,8 +16,10 @@ import json
 import time
 import uuid
 
+from importlib import resources
+
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from .engine import Engine, Failed, Finished
@@ -34,7 +39,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
 
     @app.middleware("http")
     async def authorize(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1/"):
+        if api_key and request.url.path.startswith(("/v1/", "/splitspec/")):
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 err = ApiError(401, "missing or incorrect API key (Authorization: Bearer ...)", code="invalid_api_key")
@@ -45,7 +50,38 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
     async def health() -> dict:
         link = await run_in_threadpool(engine.setup.decoder.verifier.probe, 1.0)
         return {"status": "ok", "model": engine.config.model_ids[0], "mode": mode, "drafter": drafter,
-                "link": "up" if link else "down", **engine.status()}
+                "link": "up" if link else "down", "defaults": {"temperature": engine.config.temperature,
+                                                               "top_p": engine.config.top_p,
+                                                               "max_tokens": engine.config.max_new_tokens},
+                **engine.status()}
+
+    page = resources.files("splitspec.client.daemon").joinpath("static/chat.html").read_text(encoding="utf-8")
+
+    @app.get("/", response_class=HTMLResponse)
+    async def chat_page() -> HTMLResponse:
+        return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
+
+    def history():
+        if engine.history is None:
+            raise ApiError(404, "this daemon keeps no chat history", code="history_disabled")
+        return engine.history
+
+    @app.get("/splitspec/conversations")
+    async def conversations() -> dict:
+        return {"object": "list", "data": await run_in_threadpool(history().conversations)}
+
+    @app.post("/splitspec/conversations")
+    async def new_conversation() -> dict:
+        store = history()
+        conversation = await run_in_threadpool(store.new_conversation, engine.config.model_ids[0], drafter)
+        return {"id": conversation, "messages": []}
+
+    @app.get("/splitspec/conversations/{conversation}")
+    async def conversation_messages(conversation: int) -> dict:
+        store = history()
+        if not await run_in_threadpool(store.has_conversation, conversation):
+            raise ApiError(404, f"no conversation {conversation}", code="conversation_not_found")
+        return {"id": conversation, "messages": await run_in_threadpool(store.messages, conversation)}
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -45,16 +45,21 @@ def cmd_up(args, local_verifier=None) -> None:
         raise ValueError("--max-queue must be >= 0")
     if not _loopback(args.host) and not api_key:
         raise ValueError(f"--host {args.host} is reachable from other machines: set --api-key")
+    from ..history import ChatHistory, default_path
+
     config = client_config(args)
     setup = build_client(config, local_verifier)
+    history = ChatHistory(args.history or default_path())
     server = DaemonServer(daemon_app(setup, setup.target, api_key=api_key, max_queue=args.max_queue,
                                      max_new_tokens=args.max_new_tokens, private_ngram=args.private_ngram,
-                                     max_request_bytes=args.max_request_bytes, system=args.system),
+                                     max_request_bytes=args.max_request_bytes, system=args.system, history=history),
                           args.host, args.port)
     sampling = setup.sampling
     print(f"splitspec up: {setup.mode}, drafter {setup.decoder.drafter.name}, default temperature "
           f"{sampling.temperature:g} top-p {sampling.top_p:g}{', API key required' if api_key else ''}\n"
-          f"  OpenAI base URL  {server.url}/v1\n  health           {server.url}/health", flush=True)
+          f"  chat page        {server.url}/\n"
+          f"  OpenAI base URL  {server.url}/v1\n  health           {server.url}/health\n"
+          f"  chat history     {history.path}", flush=True)
     try:
         server.run()
     finally:
@@ -62,17 +67,18 @@ def cmd_up(args, local_verifier=None) -> None:
 
 
 def daemon_app(setup, target: str, *, api_key: str | None = None, max_queue: int = 8, max_new_tokens: int = 256,
-               private_ngram: int = 2, max_request_bytes: int = 1 << 20, system: str | None = None):
+               private_ngram: int = 2, max_request_bytes: int = 1 << 20, system: str | None = None, history=None):
     """The FastAPI app over a built client (`setup`: client/build.py ClientSetup). Its sampling
     gives the requests' default temperature and top-p; `target` (the name given) and the served
-    model id are both accepted as `model`; `system` is the system prompt of requests without one."""
+    model id are both accepted as `model`; `system` is the system prompt of requests without one;
+    `history` (client/history.py ChatHistory) backs the chat page's conversations."""
     from .app import create_app
     from .engine import Engine, EngineConfig
 
     model_id = setup.decoder.verifier.info.model_id
     names = tuple(dict.fromkeys([model_id, target]))
     engine = Engine(setup, EngineConfig(names, max_new_tokens, setup.sampling.temperature, setup.sampling.top_p,
-                                        max_queue, private_ngram, system))
+                                        max_queue, private_ngram, system), history)
     app = create_app(engine, api_key=api_key, max_request_bytes=max_request_bytes, mode=setup.mode,
                      drafter=setup.decoder.drafter.name)
     app.state.engine = engine

@@ -18,6 +18,7 @@ from typing import Callable
 from splitspec.shared.sampling import SamplingParams
 
 from ..build import ClientSetup
+from ..history import ChatHistory
 from ..loop import Generation
 from ..privacy import PrivacyGuard, encode_private_chat, placeholder_token
 from .schema import ApiError, Completion
@@ -88,8 +89,8 @@ class Busy(ApiError):
 class Engine:
     """Runs completions on `setup`'s decoder, one at a time."""
 
-    def __init__(self, setup: ClientSetup, config: EngineConfig) -> None:
-        self.setup, self.config = setup, config
+    def __init__(self, setup: ClientSetup, config: EngineConfig, history: ChatHistory | None = None) -> None:
+        self.setup, self.config, self.history = setup, config, history
         self.tokenizer = setup.tokenizer
         self.info = setup.decoder.verifier.info
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="splitspec-answer")
@@ -141,6 +142,10 @@ class Engine:
             ApiError: see `check_model`, `prepare`; Busy (429) when max_queue requests wait already.
         """
         self.check_model(completion.model)
+        if completion.conversation is not None and (self.history is None
+                                                    or not self.history.has_conversation(completion.conversation)):
+            raise ApiError(404, f"no conversation {completion.conversation} in this daemon's chat history",
+                           param="splitspec.conversation", code="conversation_not_found")
         prompt_ids, privacy, max_new = self.prepare(completion)
         sampling = self.sampling(completion)
         with self._lock:
@@ -181,13 +186,21 @@ class Engine:
 
     def _answer(self, job: Job, sampling: SamplingParams, max_new: int) -> str:
         text = AnswerText(self.tokenizer, job.completion.stop)
+        writer, message = self._history_writer(job.completion)
 
         def on_event(event) -> None:
+            if writer is not None:
+                writer(event)
             for delta in text.feed(event):
                 job.sink(delta)
 
-        gen = self.setup.decoder.generate(job.prompt_ids, max_new, sampling, on_event=on_event, privacy=job.privacy,
-                                          should_stop=lambda: text.stopped or job.cancelled.is_set())
+        try:
+            gen = self.setup.decoder.generate(job.prompt_ids, max_new, sampling, on_event=on_event,
+                                              privacy=job.privacy,
+                                              should_stop=lambda: text.stopped or job.cancelled.is_set())
+        finally:
+            if message is not None:  # what was written stays, also when the answer was cut short
+                self.history.finish(message, text.text)
         if job.cancelled.is_set():
             return "cancelled"
         for delta in text.finish():
@@ -196,6 +209,18 @@ class Engine:
         private = sum(job.privacy.mask) if job.privacy else 0
         job.sink(Finished(text.text, reason, gen, len(job.prompt_ids), private, text.retracted))
         return "completed"
+
+
+    def _history_writer(self, completion):
+        """(event consumer mirroring the answer into the history, its message id), or (None, None)
+        for a request without `splitspec.conversation`. Writes the request's last user message."""
+        if completion.conversation is None or self.history is None:
+            return None, None
+        users = [m for m in completion.messages if m["role"] == "user"]
+        if users:
+            self.history.add_message(completion.conversation, "user", users[-1]["content"])
+        message = self.history.add_message(completion.conversation, "assistant", "", complete=False)
+        return self.history.answer_writer(message), message
 
 
 def _server_error(err: Exception) -> ApiError:

@@ -59,6 +59,13 @@ class StreamOptions(_Open):
     include_usage: bool = False
 
 
+class RequestExtension(_Open):
+    """A request's `splitspec` field: the chat-history conversation the exchange is written to
+    (the last user message and the answer, as tokens commit)."""
+
+    conversation: int | None = Field(None, ge=1)
+
+
 class ChatRequest(_Open):
     model: str
     messages: list[Message] = Field(min_length=1)
@@ -73,6 +80,7 @@ class ChatRequest(_Open):
     n: int = Field(1, ge=1, le=1)
     logprobs: bool | None = None
     tools: list | None = None
+    splitspec: RequestExtension | None = None
 
 
 @dataclass(frozen=True)
@@ -89,6 +97,7 @@ class Completion:
     max_tokens: int | None
     stop: tuple[str, ...]
     seed: int | None
+    conversation: int | None = None  # write the exchange to this chat-history conversation
 
 
 def parse_request(body: bytes) -> Completion:
@@ -118,7 +127,8 @@ def parse_request(body: bytes) -> Completion:
         raise ApiError(400, "stop: at most 4 non-empty strings", param="stop", code="invalid_value")
     messages = [_message(i, m) for i, m in enumerate(req.messages)]
     return Completion(req.model, messages, req.stream, bool(req.stream_options and req.stream_options.include_usage),
-                      req.temperature, req.top_p, req.max_completion_tokens or req.max_tokens, stop, req.seed)
+                      req.temperature, req.top_p, req.max_completion_tokens or req.max_tokens, stop, req.seed,
+                      req.splitspec.conversation if req.splitspec else None)
 
 
 def _message(index: int, message: Message) -> dict[str, str]:
