@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache
 
 from splitspec.shared import kv
 from splitspec.shared.features import FeatureBatch, FeatureRequest
@@ -105,15 +106,85 @@ class TargetRunner:
                          position_ids=buffers.position_ids(prefix_len).to(self.device),
                          output_hidden_states=bool(session.features.hidden_layers))
         forward_ms = (time.perf_counter() - start) * 1e3
+        return self._accept_and_commit(session, tree, draft_probs, chain, prefix_len, out.logits[0], out.hidden_states,
+                                       forward_ms)
+
+    @torch.inference_mode()
+    def verify_batch(self, items: list[tuple[TargetSession, DraftTree, dict[int, SparseProbs] | None,
+                                             tuple[int, ...]]]) -> list[StepOutput]:
+        """`verify` for several sessions in one target forward: (session, tree, draft_probs,
+        forced_tokens) each, results in the same order, each equal to verifying it alone (up to
+        float rounding of the larger matmuls).
+
+        The sessions' caches are copied into one cache of B rows, each prefix padded to the
+        longest (masked out); each row's tree follows at the same offset with its own tree mask and
+        position ids; query rows past a tree's size are padding that sees only itself. After the
+        forward each session takes its rows back into its own cache and commits as `verify` does.
+        A session's cache is untouched until the forward has succeeded.
+        """
+        if len(items) == 1:
+            return [self.verify(*items[0])]
+        preps = []
+        for session, tree, _, forced in items:
+            chain = list(forced) or [session.pending_token]
+            full = _hang_tree(chain, tree)
+            preps.append((kv.cache_length(session.cache), chain, tree_buffers(full.parents), [chain[0], *full.tokens]))
+        batch, longest, width = len(items), max(p[0] for p in preps), max(len(p[3]) for p in preps)
+        cache = DynamicCache()
+        for layer in range(self.num_layers):
+            first = items[0][0].cache.layers[layer].keys
+            keys = first.new_zeros(batch, first.shape[1], longest, first.shape[3])
+            values = keys.clone()
+            for b, (session, *_rest) in enumerate(items):
+                entry, prefix = session.cache.layers[layer], preps[b][0]
+                keys[b, :, :prefix], values[b, :, :prefix] = entry.keys[0, :, :prefix], entry.values[0, :, :prefix]
+            cache.update(keys, values, layer)
+        ids = torch.zeros(batch, width, dtype=torch.long, device=self.device)
+        positions = torch.zeros(batch, width, dtype=torch.long, device=self.device)
+        lowest = torch.finfo(self.dtype).min
+        masks = {kind: torch.full((batch, 1, width, longest + width), lowest, dtype=self.dtype, device=self.device)
+                 for kind in self.windows}
+        for b, (prefix, _, buffers, row_ids) in enumerate(preps):
+            rows = len(row_ids)
+            ids[b, :rows] = torch.tensor(row_ids, device=self.device)
+            positions[b, :rows] = buffers.position_ids(prefix)[0].to(self.device)
+            positions[b, rows:] = prefix
+            for kind, window in self.windows.items():
+                own = buffers.attention_mask(prefix, self.dtype, self.device, window)[0, 0]  # [rows, prefix + rows]
+                masks[kind][b, 0, :rows, :prefix] = own[:, :prefix]
+                masks[kind][b, 0, :rows, longest: longest + rows] = own[:, prefix:]
+                pad = torch.arange(rows, width, device=self.device)
+                masks[kind][b, 0, pad, longest + pad] = 0  # padding rows see themselves only
+        mask = masks if self.per_layer_type else next(iter(masks.values()))
+        hidden = any(session.features.hidden_layers for session, *_ in items)
+        start = time.perf_counter()
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, attention_mask=mask,
+                         position_ids=positions, output_hidden_states=hidden)
+        forward_ms = (time.perf_counter() - start) * 1e3
+        results = []
+        for b, ((session, tree, draft_probs, _), (prefix, chain, _, row_ids)) in enumerate(zip(items, preps)):
+            rows = len(row_ids)
+            for layer in range(self.num_layers):
+                entry = cache.layers[layer]
+                session.cache.update(entry.keys[b:b + 1, :, longest: longest + rows],
+                                     entry.values[b:b + 1, :, longest: longest + rows], layer)
+            hidden_states = tuple(h[b:b + 1] for h in out.hidden_states) if hidden else None
+            results.append(self._accept_and_commit(session, tree, draft_probs, chain, prefix,
+                                                   out.logits[b, :rows], hidden_states, forward_ms))
+        return results
+
+    def _accept_and_commit(self, session: TargetSession, tree: DraftTree, draft_probs, chain: list[int],
+                           prefix_len: int, row_logits, hidden_states, forward_ms: float) -> StepOutput:
+        """Acceptance over the forward's rows [F + N, V], KV commit, features (verify's tail)."""
         root = len(chain) - 1  # the forward row of the tree's root
-        logits = out.logits[0, root:].float().cpu()  # [N + 1, V]
+        logits = row_logits[root:].float().cpu()  # [N + 1, V]
         if session.sampling.greedy:
             result = accept_greedy(tree, logits)
         else:
             result = accept_sampling(tree, logits, session.sampling, draft_probs or {}, session.generator)
         rows = list(range(len(chain))) + [root + 1 + node for node in result.accepted_nodes]
         kv.keep_rows(session.cache, prefix_len, rows)
-        features = self._features(session, out.hidden_states, rows, prefix_len)
+        features = self._features(session, hidden_states, rows, prefix_len)
         session.pending_token = result.bonus_token
         accepted_tokens = tuple(tree.tokens[n] for n in result.accepted_nodes)
         return StepOutput(result, accepted_tokens, features, forward_ms)

@@ -1,0 +1,99 @@
+"""Batched verification (issue 11): the Verify steps of several sessions scored in one target
+forward give what verifying each alone gives — accepted tokens, bonus tokens and features — over
+many steps, with prefixes and trees of different sizes, accepted paths that skip rows, forced
+tokens, hidden-state and K/V features, and sliding-window / mixed-attention families."""
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from splitspec.server.runner import TargetRunner
+from splitspec.shared.features import FeatureRequest
+from splitspec.shared.sampling import SamplingParams
+from splitspec.shared.tree import DraftTree
+
+from .helpers import reference_greedy
+from .test_model_families import _model
+
+PROMPTS = [[1, 45, 100, 17, 99, 4, 250, 33, 71, 12], [1, 7, 300], [1, 88, 23, 5, 61, 402, 9], [1, 11, 200, 37, 5]]
+FEATURES = FeatureRequest(hidden_layers=(-1, 1), kv_layers=(0, 2))
+
+
+def _tree(truth: list[int], rng: random.Random, vocab: int) -> DraftTree:
+    """A tree whose right path (when `truth` is right) sits behind 0-2 wrong siblings per depth."""
+    tokens, parents, parent = [], [], -1
+    for token in truth:
+        for _ in range(rng.randint(0, 2)):
+            tokens.append((token + rng.randint(1, vocab - 1)) % vocab)
+            parents.append(parent)
+        tokens.append(token)
+        parents.append(parent)
+        parent = len(tokens) - 1
+    return DraftTree(tuple(tokens), tuple(parents))
+
+
+def _run(runner: TargetRunner, batched: bool, refs, steps: int = 6, seed: int = 0):
+    """Open a session per prompt and verify `steps` steps; returns every step's outputs."""
+    rng = random.Random(seed)
+    sessions = [runner.open(p, SamplingParams(), FEATURES)[0] for p in PROMPTS]
+    lengths = [len(p) for p in PROMPTS]
+    outputs = []
+    for step in range(steps):
+        items = []
+        for i, session in enumerate(sessions):
+            done = lengths[i] - len(PROMPTS[i]) + 1  # tokens known so far: committed + pending
+            depth = rng.randint(0, 4)
+            truth = refs[i][done: done + depth]
+            if rng.random() < 0.3:  # a wrong guess at the first depth
+                truth = [(truth[0] + 1) % 512] + truth[1:] if truth else truth
+            forced = ()
+            items.append((session, _tree(truth, rng, 512), None, forced))
+        outs = runner.verify_batch(items) if batched else [runner.verify(*item) for item in items]
+        for i, out in enumerate(outs):
+            lengths[i] += len(out.accepted_tokens) + 1
+        outputs.append(outs)
+    return outputs, sessions
+
+
+@pytest.mark.parametrize("family", ["llama-mqa-tied", "qwen2-sliding-mixed", "gemma3", "mistral-sliding"])
+def test_batched_steps_equal_steps_alone(family, stories):
+    model = _model(family)
+    refs = [reference_greedy(model, p, 40) for p in PROMPTS]
+    alone, alone_sessions = _run(TargetRunner(model, stories[1], family), False, refs)
+    batched, batched_sessions = _run(TargetRunner(model, stories[1], family), True, refs)
+    for step, (a_outs, b_outs) in enumerate(zip(alone, batched)):
+        for i, (a, b) in enumerate(zip(a_outs, b_outs)):
+            where = f"{family} step {step} session {i}"
+            assert a.accepted_tokens == b.accepted_tokens and a.accept == b.accept, where
+            assert (a.features.start, a.features.count) == (b.features.start, b.features.count), where
+            for layer in FEATURES.hidden_layers:
+                torch.testing.assert_close(a.features.hidden[layer], b.features.hidden[layer], atol=1e-4, rtol=1e-4)
+            for layer in FEATURES.kv_layers:
+                torch.testing.assert_close(a.features.keys[layer], b.features.keys[layer], atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(a.features.values[layer], b.features.values[layer], atol=1e-4, rtol=1e-4)
+    for a, b in zip(alone_sessions, batched_sessions):  # the caches the next steps build on agree too
+        assert a.pending_token == b.pending_token
+        for la, lb in zip(a.cache.layers, b.cache.layers):
+            torch.testing.assert_close(la.keys, lb.keys, atol=1e-4, rtol=1e-4)
+    # the greedy stream each session produced is the target's own
+    for i, session_outs in enumerate(zip(*batched)):
+        tokens = [t for out in session_outs for t in (*out.accepted_tokens, out.accept.bonus_token)]
+        assert tokens == refs[i][1: 1 + len(tokens)], f"{family} session {i}"
+
+
+def test_forced_tokens_and_a_single_item(stories):
+    model = _model("qwen2")
+    runner = TargetRunner(model, stories[1], "qwen2")
+    ref = reference_greedy(model, PROMPTS[0], 20)
+    a = runner.open(PROMPTS[0], SamplingParams(), FEATURES)[0]
+    b = copy.deepcopy(a)
+    c = runner.open(PROMPTS[1], SamplingParams(), FEATURES)[0]
+    forced = tuple(ref[:3])  # the client's own tokens replace the pending one
+    alone = runner.verify(a, DraftTree.chain(ref[3:6]), None, forced)
+    together = runner.verify_batch([(b, DraftTree.chain(ref[3:6]), None, forced), (c, DraftTree.empty(), None, ())])
+    assert together[0].accepted_tokens == alone.accepted_tokens == tuple(ref[3:6])
+    assert together[0].accept.bonus_token == alone.accept.bonus_token == ref[6]
+    assert len(runner.verify_batch([(b, DraftTree.empty(), None, ())])) == 1
