@@ -54,6 +54,9 @@ def _add_service_args(p: argparse.ArgumentParser) -> None:
                    help="OpenSession/Verify calls per second per client (token, else certificate, else address); "
                         "0 = off (the default: one worker already bounds throughput; e.g. 50 on a shared server)")
     p.add_argument("--rate-burst", type=int, default=d.rate_limit_burst, help="calls a client may make at once")
+    p.add_argument("--max-batch", type=int, default=d.max_batch,
+                   help="Verify steps of different sessions scored in one forward (those queued when the model "
+                        "worker gets free); 1 = one step per forward")
     p.add_argument("--keepalive", type=float, default=d.keepalive_time_s, help="ping interval, s")
     p.add_argument("--keepalive-timeout", type=float, default=d.keepalive_timeout_s, help="ping ack deadline, s")
     p.add_argument("--min-ping-interval", type=float, default=d.min_ping_interval_s,
@@ -78,7 +81,8 @@ def server_limits(args) -> ServerLimits:
                         max_session_kv_bytes=args.max_session_kv_bytes, max_total_kv_tokens=args.max_kv_tokens,
                         max_total_kv_bytes=args.max_kv_bytes, rate_limit_per_s=args.rate_limit or None,
                         rate_limit_burst=args.rate_burst, keepalive_time_s=args.keepalive,
-                        keepalive_timeout_s=args.keepalive_timeout, min_ping_interval_s=args.min_ping_interval)
+                        keepalive_timeout_s=args.keepalive_timeout, min_ping_interval_s=args.min_ping_interval,
+                        max_batch=args.max_batch)
 
 
 def server_security(args) -> ServerSecurity:

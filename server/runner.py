@@ -111,7 +111,7 @@ class TargetRunner:
 
     @torch.inference_mode()
     def verify_batch(self, items: list[tuple[TargetSession, DraftTree, dict[int, SparseProbs] | None,
-                                             tuple[int, ...]]]) -> list[StepOutput]:
+                                             tuple[int, ...]]]) -> list[StepOutput | Exception]:
         """`verify` for several sessions in one target forward: (session, tree, draft_probs,
         forced_tokens) each, results in the same order, each equal to verifying it alone (up to
         float rounding of the larger matmuls).
@@ -120,7 +120,9 @@ class TargetRunner:
         longest (masked out); each row's tree follows at the same offset with its own tree mask and
         position ids; query rows past a tree's size are padding that sees only itself. After the
         forward each session takes its rows back into its own cache and commits as `verify` does.
-        A session's cache is untouched until the forward has succeeded.
+        A session's cache is untouched until the forward has succeeded: an error up to there is
+        raised (every session can be verified alone instead); an error in one session's commit
+        after it is returned in that session's place (its cache may be half-updated).
         """
         if len(items) == 1:
             return [self.verify(*items[0])]
@@ -161,16 +163,19 @@ class TargetRunner:
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, attention_mask=mask,
                          position_ids=positions, output_hidden_states=hidden)
         forward_ms = (time.perf_counter() - start) * 1e3
-        results = []
+        results: list[StepOutput | Exception] = []
         for b, ((session, tree, draft_probs, _), (prefix, chain, _, row_ids)) in enumerate(zip(items, preps)):
             rows = len(row_ids)
-            for layer in range(self.num_layers):
-                entry = cache.layers[layer]
-                session.cache.update(entry.keys[b:b + 1, :, longest: longest + rows],
-                                     entry.values[b:b + 1, :, longest: longest + rows], layer)
-            hidden_states = tuple(h[b:b + 1] for h in out.hidden_states) if hidden else None
-            results.append(self._accept_and_commit(session, tree, draft_probs, chain, prefix,
-                                                   out.logits[b, :rows], hidden_states, forward_ms))
+            try:
+                for layer in range(self.num_layers):
+                    entry = cache.layers[layer]
+                    session.cache.update(entry.keys[b:b + 1, :, longest: longest + rows],
+                                         entry.values[b:b + 1, :, longest: longest + rows], layer)
+                hidden_states = tuple(h[b:b + 1] for h in out.hidden_states) if hidden else None
+                results.append(self._accept_and_commit(session, tree, draft_probs, chain, prefix,
+                                                       out.logits[b, :rows], hidden_states, forward_ms))
+            except Exception as err:  # noqa: BLE001 - this session's own failure, reported in its place
+                results.append(err)
         return results
 
     def _accept_and_commit(self, session: TargetSession, tree: DraftTree, draft_probs, chain: list[int],

@@ -18,11 +18,13 @@ queued (its caller gone, or the server shutting down). docs/reliability.md lists
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import ipaddress
 import logging
 import os
 import signal
+import threading
 import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -62,6 +64,23 @@ class _Entry:
     last_reply: pb.VerifyReply | None = None
     closed: bool = False
     kv_tokens: int = 0  # positions its cache holds, set by the worker after each model call
+
+
+@dataclass(eq=False)
+class _Step:
+    """One Verify call's model work, waiting to be scored alone or in a batch. Whichever worker job
+    runs first takes every waiting step (up to `max_batch`) and fills in `reply` or `error`; each
+    call's own job then just returns its outcome."""
+
+    entry: _Entry
+    step: int
+    tree: object
+    draft_probs: dict
+    forced: tuple
+    arrived: float
+    done: bool = False
+    reply: pb.VerifyReply | None = None
+    error: BaseException | None = None
 
 
 class MalformedRequest:
@@ -163,6 +182,9 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         self._inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self._waiting: list[_Step] = []  # Verify steps not yet taken by a worker job
+        self._waiting_lock = threading.Lock()
+        self.batch_sizes: collections.Counter[int] = collections.Counter()  # steps per model forward
 
     async def _run(self, fn, *args, reserved: int = 0):
         """Run model work on the worker; returns (result, perf_counter time the work started).
@@ -291,10 +313,15 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                 draft_probs = await self._parse(check_draft_probs, request.draft_probs, tree,
                                                 vocab_size=self.runner.vocab_size, limits=self.limits)
             reserved = self._reserve_step(entry, request.step, step_positions(tree, forced))
+            item = _Step(entry, request.step, tree, draft_probs, forced, arrived)
+            with self._waiting_lock:
+                self._waiting.append(item)
             try:
-                reply, _ = await self._run(self._verify_step, entry, request.step, tree, draft_probs, forced, arrived,
-                                           reserved=reserved)
+                reply, _ = await self._run(self._verify_waiting, item, reserved=reserved)
             finally:
+                with self._waiting_lock:  # dropped before any worker job took it (deadline, shutdown)
+                    if item in self._waiting:
+                        self._waiting.remove(item)
                 if entry.closed:  # the model work failed on the worker
                     self._forget(entry)
             entry.last_used = time.monotonic()
@@ -318,34 +345,91 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                                f"the reply of {size} bytes exceeds the server's limit of {self.limits.max_send_bytes} "
                                f"bytes; the session is closed (request fewer features or a shorter prompt)")
 
-    def _verify_step(self, entry: _Entry, step: int, tree, draft_probs, forced, arrived: float) -> pb.VerifyReply:
-        """One step on the worker thread. Step bookkeeping happens here, serialized with the model
-        work, so a call whose client gave up still records its reply and a retry gets that reply."""
-        session = entry.session
+    def _verify_waiting(self, item: _Step) -> pb.VerifyReply:
+        """A Verify call's job on the worker thread: unless an earlier job already scored its step
+        in a batch, take it and every other waiting step (up to `max_batch`, in arrival order) and
+        score them in one forward (`_verify_steps`). Returns this call's reply or raises its error."""
+        if not item.done:
+            with self._waiting_lock:
+                others = [s for s in self._waiting if s is not item][: self.limits.max_batch - 1]
+                batch = [item, *others]
+                for s in batch:
+                    if s in self._waiting:
+                        self._waiting.remove(s)
+            self._verify_steps(batch)
+        if item.error is not None:
+            raise item.error
+        return item.reply
+
+    def _verify_steps(self, batch: list[_Step]) -> None:
+        """Score the steps of `batch` (one per session). Step bookkeeping happens here, serialized
+        with the model work, so a call whose client gave up still records its reply and a retry
+        gets that reply. Each step ends with `reply` or `error`; one step's error is its own."""
+        ready = []
+        for item in batch:
+            try:
+                reply = self._check_step(item)
+            except Exception as err:
+                item.error, item.done = err, True
+                continue
+            if reply is not None:
+                item.reply, item.done = reply, True
+            else:
+                ready.append(item)
+        if not ready:
+            return
+        started = time.perf_counter()
+        steps = [(s.entry.session, s.tree, s.draft_probs, s.forced) for s in ready]
+        outs: list = [None] * len(ready)
+        if len(ready) == 1:
+            try:
+                outs = [self.runner.verify(*steps[0])]
+            except Exception as err:
+                outs = [err]
+        else:
+            try:
+                outs = self.runner.verify_batch(steps)
+            except Exception:  # the batched forward failed before any cache changed: score each alone
+                log.warning("a batched forward of %d steps failed; scoring them one by one", len(ready))
+        self.batch_sizes[len(ready)] += 1
+        for item, out in zip(ready, outs):
+            try:
+                if out is None:
+                    out = self.runner.verify(item.entry.session, item.tree, item.draft_probs, item.forced)
+                if isinstance(out, Exception):
+                    raise out
+                item.reply = self._record_step(item, out, started)
+            except Exception as err:
+                item.entry.closed = True  # the cache may be half-updated: this session cannot go on
+                item.error = err
+            item.done = True
+
+    def _check_step(self, item: _Step) -> pb.VerifyReply | None:
+        """The recorded reply of a retried step, None for a step to score; raises for a closed
+        session, a step out of order or one past the context."""
+        entry, session, step = item.entry, item.entry.session, item.step
         if entry.closed:
             raise ServiceError(grpc.StatusCode.NOT_FOUND, "session closed")
         if step == session.step and entry.last_reply is not None:
             return entry.last_reply  # a retried step: same answer, no model work
         if step != session.step + 1:
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, f"step {step} out of order; expected {session.step + 1}")
-        check_context(cache_length(session.cache), step_positions(tree, forced), self.max_context)
-        started = time.perf_counter()
-        try:
-            out = self.runner.verify(session, tree, draft_probs, forced)
-        except Exception:
-            entry.closed = True  # the cache may be half-updated: this session cannot go on
-            raise
+        check_context(cache_length(session.cache), step_positions(item.tree, item.forced), self.max_context)
+        return None
+
+    def _record_step(self, item: _Step, out, started: float) -> pb.VerifyReply:
+        entry, session = item.entry, item.entry.session
         entry.kv_tokens = cache_length(session.cache)
         reply = pb.VerifyReply(
-            step=step, accepted_nodes=out.accept.accepted_nodes, accepted_tokens=out.accepted_tokens,
+            step=item.step, accepted_nodes=out.accept.accepted_nodes, accepted_tokens=out.accepted_tokens,
             bonus_token=out.accept.bonus_token, bonus_recovered=out.accept.recovered,
             features=out.features.to_pb(session.features),
-            timings=_timings(arrived, (started - arrived) * 1e3, out.forward_ms))
-        session.step = step
+            timings=_timings(item.arrived, (started - item.arrived) * 1e3, out.forward_ms))
+        session.step = item.step
         entry.last_reply = reply
         t = reply.timings
-        self.metrics.step(tree.size, len(out.accepted_tokens), t.queue_ms, t.forward_ms, t.total_ms)
-        log.debug("step %d: %d of %d draft tokens accepted", step, len(out.accepted_tokens), tree.size)
+        self.metrics.step(item.tree.size, len(out.accepted_tokens), t.queue_ms, t.forward_ms, t.total_ms)
+        log.debug("step %d: %d of %d draft tokens accepted", item.step, len(out.accepted_tokens), item.tree.size)
         return reply
 
     @_refusals

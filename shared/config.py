@@ -49,6 +49,9 @@ class ServerLimits:
     keepalive_timeout_s: float = 10.0  # and closes it when the ping is not acknowledged in time
     min_ping_interval_s: float = 5.0  # clients may ping this often (>= it) without a ping strike
     max_ping_strikes: int = 2  # too-frequent pings tolerated before GOAWAY; 0 = unlimited
+    # Verify steps of different sessions scored in one target forward: the steps queued when the
+    # model worker gets free, up to this many (no waiting window: a lone step runs at once); 1 = off
+    max_batch: int = 8
 
     def __post_init__(self) -> None:
         for f in fields(self):

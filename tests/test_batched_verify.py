@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import random
+import threading
+import time
 
 import pytest
 import torch
@@ -97,3 +99,45 @@ def test_forced_tokens_and_a_single_item(stories):
     assert together[0].accepted_tokens == alone.accepted_tokens == tuple(ref[3:6])
     assert together[0].accept.bonus_token == alone.accept.bonus_token == ref[6]
     assert len(runner.verify_batch([(b, DraftTree.empty(), None, ())])) == 1
+
+
+def test_the_service_batches_concurrent_sessions_and_stays_exact(stories, serve):
+    """Five clients decode at once through the gRPC service while the first step is held: the
+    steps queued meanwhile are scored in one forward, and every client's output is the target's."""
+    from splitspec.client.loop import SpeculativeDecoder
+    from splitspec.client.transport import RemoteVerifier
+    from splitspec.shared.config import ServerLimits
+
+    from .helpers import OracleDrafter
+    from .test_hardening import RunnerSpy
+
+    model, tokenizer, model_id = stories
+    runner = TargetRunner(model, tokenizer, model_id)
+    spy = RunnerSpy(runner)
+    spy.gate = threading.Event()
+    server = serve(runner, ServerLimits(max_batch=8))
+    prompts = [tokenizer(t)["input_ids"] for t in ("Once upon a time", "The dog", "Lily and Ben", "One day, a",
+                                                    "Tom had a big")]
+    refs = [reference_greedy(model, p, 30) for p in prompts]
+    outputs: dict[int, list[int]] = {}
+
+    def client(i: int) -> None:
+        drafter = OracleDrafter(prompts[i], refs[i], 512, right=i % 2 == 0, depth=3, wrong_siblings=1)
+        verifier = RemoteVerifier(server.address)
+        try:
+            outputs[i] = SpeculativeDecoder(verifier, drafter).generate(prompts[i], 30, stop_on_eos=False).tokens
+        finally:
+            verifier.close()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while len(server.servicer._waiting) < len(prompts) - 1:  # one step held in the model, the rest waiting
+        assert time.monotonic() < deadline, "the clients' steps never queued up"
+        time.sleep(0.01)
+    spy.gate.set()
+    for t in threads:
+        t.join(120)
+    assert outputs == {i: refs[i] for i in range(len(prompts))}
+    assert max(server.servicer.batch_sizes) >= len(prompts) - 1, server.servicer.batch_sizes

@@ -43,8 +43,8 @@ OTHER_TOKEN = "tok-" + "b2" * 12
 
 
 class RunnerSpy:
-    """Counts a TargetRunner's model calls (open + verify), keeps weak references to the sessions it
-    opened, and can hold verify calls at a gate."""
+    """Counts a TargetRunner's model calls (open + verify; a batched verify counts its steps), keeps
+    weak references to the sessions it opened, and can hold verify calls at a gate."""
 
     def __init__(self, runner: TargetRunner) -> None:
         self.calls = 0
@@ -69,7 +69,20 @@ class RunnerSpy:
                 raise self.fail_with
             return verify(*args, **kwargs)
 
-        runner.open, runner.verify = counted_open, counted_verify
+        verify_batch = runner.verify_batch
+
+        def counted_verify_batch(items):
+            if len(items) == 1:
+                return verify_batch(items)  # goes through counted_verify
+            self.calls += len(items)
+            self.entered.set()
+            if self.gate is not None:
+                assert self.gate.wait(30), "the test never opened the gate"
+            if self.fail_with is not None:
+                raise self.fail_with
+            return verify_batch(items)
+
+        runner.open, runner.verify, runner.verify_batch = counted_open, counted_verify, counted_verify_batch
 
 
 @pytest.fixture
