@@ -1,4 +1,5 @@
-"""The bench room's commands: `splitspec bench`, `splitspec demo` and `splitspec offline-eval`.
+"""The bench room's commands: `splitspec bench`, `splitspec demo`, `splitspec offline-eval` and
+`splitspec serve-bench`.
 
 `add_bench_parsers` adds them to the top-level parser (cli/main.py). The models, the loop and the
 plotting and evaluation packages load when a command runs, so that `splitspec --help` stays quick.
@@ -18,6 +19,7 @@ def add_bench_parsers(sub) -> None:
     _add_bench_parser(sub)
     _add_demo_parser(sub)
     _add_offline_eval_parser(sub)
+    _add_serve_bench_parser(sub)
 
 
 def cmd_bench(args) -> None:
@@ -30,6 +32,27 @@ def cmd_demo(args) -> None:
     from .demo import cmd_demo as run
 
     run(args)
+
+
+def cmd_serve_bench(args) -> None:
+    from .serve_bench import cmd_serve_bench as run
+
+    run(args)
+
+
+def _add_serve_bench_parser(sub) -> None:
+    p = sub.add_parser("serve-bench", help="the verify service under 1..16 concurrent clients, batching on and off")
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--clients", default="1,4,8,16", help="client counts, comma-separated")
+    p.add_argument("--max-batch", default="1,8", help="server --max-batch values compared, comma-separated (1 = off)")
+    p.add_argument("--drafter", default="ngram", help="each client's drafter (cheap ones leave the CPU to the server)")
+    p.add_argument("--seconds", type=float, default=20.0, help="measured time per (max batch, clients) point")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--limit", type=int, default=2, help="Spec-Bench prompts per category the clients cycle through")
+    p.add_argument("--spec-bench", default=None, help="path to Spec-Bench question.jsonl")
+    p.add_argument("--threads", type=int, default=None, help="the server's torch threads (default: torch's)")
+    p.add_argument("--out", default=None, help="also write the table to this file")
+    p.set_defaults(func=cmd_serve_bench)
 
 
 def cmd_offline_eval(args) -> None:

@@ -141,3 +141,25 @@ def test_the_service_batches_concurrent_sessions_and_stays_exact(stories, serve)
         t.join(120)
     assert outputs == {i: refs[i] for i in range(len(prompts))}
     assert max(server.servicer.batch_sizes) >= len(prompts) - 1, server.servicer.batch_sizes
+
+
+def test_serve_bench_drives_concurrent_clients(stories, serve, stories_path):
+    """The serve-bench's client driver: n clients with their own sessions share the service for a
+    fixed time; the table reports each point against one client and against unbatched serving."""
+    from types import SimpleNamespace
+
+    from splitspec.bench.serve_bench import ServeResult, render, run_clients
+    from splitspec.shared.config import ServerLimits
+    from splitspec.shared.drafters.spec import DrafterSpec
+    from splitspec.shared.models import tokenizer_fingerprint
+
+    model, tokenizer, model_id = stories
+    server = serve(TargetRunner(model, tokenizer, model_id), ServerLimits(max_batch=4))
+    prompts = [tokenizer(t)["input_ids"] for t in ("Once upon a time", "The dog")]
+    tokens, elapsed, rates, steps = run_clients(server.address, 3, prompts, DrafterSpec.parse("ngram"),
+                                                tokenizer_fingerprint(tokenizer), str(stories_path), 1.0, 12)
+    assert tokens > 0 and elapsed >= 1.0 and len(rates) == 3 and all(r > 0 for r in rates) and steps
+    table = render([ServeResult(1, 1, 100, 1.0, 100.0, 5.0, 9.0), ServeResult(8, 1, 110, 1.0, 110.0, 5.0, 9.0),
+                    ServeResult(1, 8, 200, 1.0, 25.0, 20.0, 40.0), ServeResult(8, 8, 480, 1.0, 60.0, 9.0, 20.0)],
+                   SimpleNamespace(target="t", drafter="ngram", seconds=1.0, max_new_tokens=12, threads=1))
+    assert "| 8 | 8 | 480.0 | 4.36x | 2.40x |" in table and "measured 4.36x (max batch 8) -> met" in table

@@ -1,0 +1,147 @@
+"""`splitspec serve-bench`: the verify service under 1, 4, 8, 16 concurrent clients, with batched
+verification on and off, side by side in one run (issue 11).
+
+For each --max-batch value a `splitspec serve` child process starts (the same target, the same
+threads); for each client count, that many clients (threads of this process, each with its own
+gRPC channel, session and drafter) generate answers to Spec-Bench prompts for --seconds, one
+after another. Reported per (max_batch, clients): aggregate generated tokens/s, per-client
+tokens/s, p50/p99 latency of a Verify call as the client sees it (round trip), and ratios against
+one client and against unbatched serving. Clients and server share this machine's cores: the
+ratios within one run are the result, not the absolute figures.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from splitspec.client.drafters.factory import make_drafter
+from splitspec.client.loop import SpeculativeDecoder
+from splitspec.client.transport import RemoteVerifier
+from splitspec.shared.drafters.spec import DrafterSpec
+from splitspec.shared.models import encode_chat, load_tokenizer, tokenizer_fingerprint
+
+from .prompts import load_prompts
+from .service_process import free_port, start_server, stop_server
+
+
+@dataclass(frozen=True)
+class ServeResult:
+    max_batch: int
+    clients: int
+    tokens: int
+    seconds: float
+    per_client_tok_s: float
+    step_ms_p50: float
+    step_ms_p99: float
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def run_clients(address: str, n: int, prompts: list[list[int]], drafter: DrafterSpec, fingerprint: str, target: str,
+                seconds: float, max_new_tokens: int) -> tuple[int, float, list[float], list[float]]:
+    """`n` clients answer prompts (each starting at its own offset) until `seconds` pass; returns
+    (tokens, elapsed s, per-client tokens/s, Verify round trips in ms)."""
+    tokens, rates, steps, errors = [0] * n, [0.0] * n, [], []
+    lock = threading.Lock()
+    start_barrier = threading.Barrier(n + 1)
+
+    def client(i: int) -> None:
+        verifier = RemoteVerifier(address)
+        decoder = SpeculativeDecoder(verifier, make_drafter(drafter, target_fingerprint=fingerprint, target=target))
+        start_barrier.wait()
+        began, k = time.perf_counter(), i
+        try:
+            while time.perf_counter() - began < seconds:
+                prompt = prompts[k % len(prompts)]
+                k += 1
+                try:
+                    gen = decoder.generate(prompt, max_new_tokens)
+                except grpc.RpcError as err:  # e.g. a prompt too long for the target's context: next one
+                    with lock:
+                        errors.append(err.code().name)
+                    continue
+                tokens[i] += gen.stats.new_tokens
+                with lock:
+                    steps.extend(c.rtt_ms for c in gen.stats.calls[1:])
+        finally:
+            rates[i] = tokens[i] / (time.perf_counter() - began)
+            verifier.close()
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    start_barrier.wait()
+    began = time.perf_counter()
+    for t in threads:
+        t.join()
+    if errors:
+        print(f"{len(errors)} answers refused ({', '.join(sorted(set(errors)))}); their clients went on", file=sys.stderr)
+    return sum(tokens), time.perf_counter() - began, rates, steps
+
+
+def cmd_serve_bench(args) -> None:
+    clients = [int(c) for c in args.clients.split(",")]
+    batches = [int(b) for b in args.max_batch.split(",")]
+    tokenizer = load_tokenizer(args.target)
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    texts = load_prompts(["spec_bench"], args.limit, args.spec_bench)
+    prompts = [encode_chat(tokenizer, [{"role": "user", "content": p["text"]}]) for p in texts]
+    drafter = DrafterSpec.parse(args.drafter)
+    results: list[ServeResult] = []
+    for max_batch in batches:
+        port = free_port()
+        server = start_server(args.target, port, extra=["--max-batch", str(max_batch), "--max-sessions",
+                                                        str(max(clients) + 1)], threads=args.threads)
+        try:
+            run_clients(f"127.0.0.1:{port}", 1, prompts, drafter, fingerprint, args.target, 2.0, 8)  # warm-up
+            for n in clients:
+                tokens, elapsed, rates, steps = run_clients(f"127.0.0.1:{port}", n, prompts, drafter, fingerprint,
+                                                            args.target, args.seconds, args.max_new_tokens)
+                results.append(ServeResult(max_batch, n, tokens, elapsed, statistics.mean(rates),
+                                           _percentile(steps, 0.5), _percentile(steps, 0.99)))
+                print(f"max-batch {max_batch}, {n} clients: {results[-1].tok_s:.1f} tokens/s", file=sys.stderr)
+        finally:
+            stop_server(server)
+    table = render(results, args)
+    print(table)
+    if args.out:
+        from pathlib import Path
+
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(table + "\n")
+
+
+def render(results: list[ServeResult], args) -> str:
+    one = {r.max_batch: r.tok_s for r in results if r.clients == 1}
+    unbatched = {r.clients: r.tok_s for r in results if r.max_batch == 1}
+    lines = [f"target {args.target}, drafter {args.drafter}, {args.seconds:g} s per point, up to "
+             f"{args.max_new_tokens} tokens per answer, server torch threads {args.threads or 'default'}",
+             "",
+             "| max batch | clients | aggregate tokens/s | vs 1 client | vs unbatched | per-client tokens/s | "
+             "step p50 ms | step p99 ms |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        vs_one = r.tok_s / one[r.max_batch] if one.get(r.max_batch) else float("nan")
+        vs_unbatched = r.tok_s / unbatched[r.clients] if unbatched.get(r.clients) else float("nan")
+        lines.append(f"| {r.max_batch} | {r.clients} | {r.tok_s:.1f} | {vs_one:.2f}x | {vs_unbatched:.2f}x | "
+                     f"{r.per_client_tok_s:.1f} | {r.step_ms_p50:.1f} | {r.step_ms_p99:.1f} |")
+    goal = [r for r in results if r.clients == 8 and r.max_batch > 1]
+    if goal and one.get(goal[0].max_batch):
+        ratio = goal[0].tok_s / one[goal[0].max_batch]
+        lines += ["", f"Goal (issue 11): 8 clients' aggregate tokens/s >= 4x one client's: measured {ratio:.2f}x "
+                      f"(max batch {goal[0].max_batch}) -> {'met' if ratio >= 4 else 'missed'}"]
+    return "\n".join(lines)
