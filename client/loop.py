@@ -28,10 +28,11 @@ from typing import Callable, Sequence
 from splitspec.shared.config import TreeConfig
 from splitspec.shared.records import AnswerRecord
 from splitspec.shared.sampling import SamplingParams
+from splitspec.shared.tree import DraftTree
 from splitspec.shared.verifier import CallStats, LinkDown, SessionLost, StepResult, Verifier
 
 from .answer import Answer, EventCallback, EventKind, Provenance, StreamEvent
-from .drafters import DraftLimits, Drafter
+from .drafters import DraftLimits, Drafter, Proposal
 from .plan import ServerView, StepLimits, plan_step
 from .privacy import PrivacyGuard, best_path
 from .reconnect import OfflinePolicy, ReconnectProbe
@@ -311,7 +312,7 @@ class _Run:
         self.inflight_forced = len(plan.forced)
         result = self.session.verify(tree, probs, plan.forced)
         self._record(result)
-        if drafted and self.planner is not None and not plan.forced:
+        if drafted and self.planner is not None and not plan.forced and tree.size:
             self.planner.observe(tree, result.accepted_tokens, result.stats, self.stats.draft_ms - draft_start)
         self._apply(len(plan.forced), result)
 
@@ -321,9 +322,12 @@ class _Run:
         # the tree's depth leaves room for the bonus token within the budget
         limits = self._limits(answer.budget - answer.answer_len - 1)
         if self.planner is not None:
-            self.drafter.tree = self.planner.choose(limits.max_depth, limits.max_nodes)
-            shape = f"{self.drafter.tree.depth}x{self.drafter.tree.top_b}x{self.drafter.tree.max_nodes}"
+            tree = self.planner.choose(limits.max_depth, limits.max_nodes)
+            shape = "none" if tree is None else f"{tree.depth}x{tree.top_b}x{tree.max_nodes}"
             self.stats.trees[shape] = self.stats.trees.get(shape, 0) + 1
+            if tree is None:  # speculation does not pay now: one target token per call
+                return Proposal(DraftTree.empty())
+            self.drafter.tree = tree
         proposal = self.drafter.propose(answer.context, limits, self.sampling)
         self.stats.draft_ms += (time.perf_counter() - tic) * 1e3
         if self.privacy is None:

@@ -16,9 +16,10 @@ at depth k is accepted, a tree of depth D, top-B and N nodes yields
     E[tokens] = 1 + sum_{d=1..D} prod_{k=1..d} q_k(min(B, max(1, N // D)))
 
 per call (the bonus token included) and costs draft(D) + link + verify(N + 1) milliseconds; the
-planner picks the (D, B, N) of a grid that maximises E[tokens] / cost. Every choice is a valid
-tree for the same drafter, so decoding stays lossless whatever is chosen. When the link changes
-(4g -> lan), the EWMA of its cost follows within a few calls and so does the choice.
+planner picks the (D, B, N) of a grid that maximises E[tokens] / cost, or no tree at all (one
+token per call, no drafting) when even the smallest tree costs more than it returns. Every choice
+is a valid tree for the same drafter, so decoding stays lossless whatever is chosen. When the link
+changes (4g -> lan), the EWMA of its cost follows within a few calls and so does the choice.
 """
 from __future__ import annotations
 
@@ -155,9 +156,12 @@ class TreePlanner:
         prior = cfg.prior_accept * cfg.rank_decay ** ranks * cfg.depth_decay ** depths
         return (self.hits + cfg.prior_weight * prior) / (self.offered + cfg.prior_weight)
 
-    def expected_tokens(self, tree: TreeConfig) -> float:
-        """E[tokens per call] of a tree shape (module docstring); the bonus token included."""
-        rates = self.accept_rates()
+    def expected_tokens(self, tree: TreeConfig | None, rates: np.ndarray | None = None) -> float:
+        """E[tokens per call] of a tree shape (module docstring; None = no tree: 1); the bonus
+        token included."""
+        if tree is None:
+            return 1.0
+        rates = self.accept_rates() if rates is None else rates
         width = min(tree.top_b, max(1, tree.max_nodes // tree.depth), MAX_RANK)
         expected, reach = 1.0, 1.0
         for d in range(min(tree.depth, MAX_DEPTH)):
@@ -165,9 +169,11 @@ class TreePlanner:
             expected += reach
         return expected
 
-    def step_ms(self, tree: TreeConfig) -> float:
-        """Predicted wall time of one step with this tree: drafting + link + verify."""
+    def step_ms(self, tree: TreeConfig | None) -> float:
+        """Predicted wall time of one step with this tree (None: no tree): drafting + link + verify."""
         one = self.verify_fit.predict(1, self.config.verify_slope_prior, 40.0)
+        if tree is None:
+            return (self.link_ms or 0.0) + one
         verify = self.verify_fit.predict(tree.max_nodes + 1, self.config.verify_slope_prior, 40.0)
         draft = self.draft_fit.predict(tree.depth, 1.0, self.config.draft_slope_prior * one)
         return draft + (self.link_ms or 0.0) + verify
@@ -178,11 +184,23 @@ class TreePlanner:
                if d <= max_depth and n <= max_nodes and d <= n <= d * b]
         return out or [TreeConfig(1, 1, 1)]
 
-    def choose(self, max_depth: int = MAX_DEPTH, max_nodes: int = 64) -> TreeConfig:
-        """The candidate tree with the most expected tokens per millisecond."""
-        best = max(self.candidates(max_depth, max_nodes),
-                   key=lambda t: (self.expected_tokens(t) / max(self.step_ms(t), 1e-3), -t.max_nodes))
-        self.chosen[f"{best.depth}x{best.top_b}x{best.max_nodes}"] += 1
+    def choose(self, max_depth: int = MAX_DEPTH, max_nodes: int = 64) -> TreeConfig | None:
+        """The candidate tree with the most expected tokens per millisecond; None when no tree
+        beats sending none (the loop then asks the target for one token, drafting nothing)."""
+        rates = self.accept_rates()
+        one = self.verify_fit.predict(1, self.config.verify_slope_prior, 40.0)
+        link = self.link_ms or 0.0
+        per_level = self.draft_fit.predict(1, 1.0, self.config.draft_slope_prior * one)
+        draft_two = self.draft_fit.predict(2, 1.0, self.config.draft_slope_prior * one)
+        verify_at = {n: self.verify_fit.predict(n + 1, self.config.verify_slope_prior, 40.0)
+                     for n in self.config.node_counts}
+        best, best_rate = None, 1.0 / max(link + one, 1e-3)
+        for tree in self.candidates(max_depth, max_nodes):
+            draft = per_level + (draft_two - per_level) * (tree.depth - 1)
+            rate = self.expected_tokens(tree, rates) / max(draft + link + verify_at[tree.max_nodes], 1e-3)
+            if rate > best_rate:
+                best, best_rate = tree, rate
+        self.chosen["none" if best is None else f"{best.depth}x{best.top_b}x{best.max_nodes}"] += 1
         return best
 
     def report(self) -> dict:
