@@ -1,5 +1,5 @@
-"""The bench room's commands: `splitspec bench`, `splitspec demo`, `splitspec offline-eval` and
-`splitspec serve-bench`.
+"""The bench room's commands: `splitspec bench`, `splitspec demo`, `splitspec offline-eval`,
+`splitspec serve-bench` and `splitspec verify-cost`.
 
 `add_bench_parsers` adds them to the top-level parser (cli/main.py). The models, the loop and the
 plotting and evaluation packages load when a command runs, so that `splitspec --help` stays quick.
@@ -20,6 +20,7 @@ def add_bench_parsers(sub) -> None:
     _add_demo_parser(sub)
     _add_offline_eval_parser(sub)
     _add_serve_bench_parser(sub)
+    _add_verify_cost_parser(sub)
 
 
 def cmd_bench(args) -> None:
@@ -53,6 +54,24 @@ def _add_serve_bench_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="the server's torch threads (default: torch's)")
     p.add_argument("--out", default=None, help="also write the table to this file")
     p.set_defaults(func=cmd_serve_bench)
+
+
+def cmd_verify_cost(args) -> None:
+    from .verify_cost_bench import cmd_verify_cost as run
+
+    run(args)
+
+
+def _add_verify_cost_parser(sub) -> None:
+    p = sub.add_parser("verify-cost", help="one verify step's cost in fp32 and bf16 against the bandwidth floor")
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--context", type=int, default=300, help="prefix tokens before the timed step")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prompts", type=int, default=6, help="Spec-Bench prompts of the greedy-agreement check")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--spec-bench", default=None, help="path to Spec-Bench question.jsonl")
+    p.set_defaults(func=cmd_verify_cost)
 
 
 def cmd_offline_eval(args) -> None:
