@@ -74,3 +74,13 @@ class NoDrafter(Drafter):
 
     def propose(self, context, limits, sampling) -> Proposal:
         return Proposal(DraftTree.empty())
+
+
+def check_contiguous(features: FeatureBatch, verified: int) -> None:
+    """Features must continue where the drafter's verified positions end.
+
+    Raises:
+        ValueError: they start elsewhere (a gap or an overlap: the loop and the drafter disagree).
+    """
+    if features.start != verified:
+        raise ValueError(f"features start at {features.start}; {verified} positions are verified")

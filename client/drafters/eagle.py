@@ -19,7 +19,7 @@ from splitspec.shared.features import FeatureBatch, FeatureRequest
 from splitspec.shared.sampling import SamplingParams, Stream, make_generator
 from splitspec.v1 import verify_pb2 as pb
 
-from .base import DraftLimits, Drafter, Proposal
+from .base import DraftLimits, Drafter, Proposal, check_contiguous
 from .dynamic_tree import build_tree, frontier_mask
 
 
@@ -42,8 +42,7 @@ class EagleRuntime(Drafter):
             self.commit((), features)
 
     def commit(self, new_tokens, features: FeatureBatch) -> None:
-        if features.start != self.features.shape[0]:
-            raise ValueError(f"features start at {features.start}; {self.features.shape[0]} are known")
+        check_contiguous(features, self.features.shape[0])
         if kv.cache_length(self.cache) > features.start:  # slots fed with predicted features give way
             kv.truncate(self.cache, features.start)
         self.predicted.clear()

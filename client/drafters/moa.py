@@ -24,7 +24,7 @@ from splitspec.shared.features import FeatureBatch, FeatureRequest
 from splitspec.shared.sampling import SamplingParams, Stream, make_generator
 from splitspec.v1 import verify_pb2 as pb
 
-from .base import DraftLimits, Drafter, Proposal
+from .base import DraftLimits, Drafter, Proposal, check_contiguous
 from .dynamic_tree import build_tree, frontier_mask
 
 
@@ -65,8 +65,7 @@ class MoARuntime(Drafter):
     @torch.inference_mode()
     def commit(self, new_tokens, features: FeatureBatch) -> None:
         """Grow the memory (and TLI cache) by the newly verified positions."""
-        if features.start != self.verified:
-            raise ValueError(f"features start at {features.start}; {self.verified} positions are verified")
+        check_contiguous(features, self.verified)
         if self.lsa_placement == "server":
             memory = features.lsa.to(self.dtype)
         else:

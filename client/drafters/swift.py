@@ -48,7 +48,7 @@ from splitspec.shared.sampling import SamplingParams
 from splitspec.shared.tree import ROOT, DraftTree
 from splitspec.v1 import verify_pb2 as pb
 
-from .base import DraftLimits, Drafter, Proposal
+from .base import DraftLimits, Drafter, Proposal, check_contiguous
 
 
 PAPER_BANDS = ((0.5, 10), (0.8, 5), (0.95, 3), (1.0, 1))  # §4.2: top-k by confidence band
@@ -226,8 +226,7 @@ class SwiftDrafter(Drafter):
 
     @torch.inference_mode()
     def commit(self, new_tokens, features: FeatureBatch) -> None:
-        if features.start != self.verified:
-            raise ValueError(f"features start at {features.start}; {self.verified} positions are verified")
+        check_contiguous(features, self.verified)
         self._crop(self.verified)
         for layer in range(self.num_layers):
             self.cache.update(features.keys[layer][None].to(self.device, self.dtype),
