@@ -312,7 +312,7 @@ class _Run:
         self.inflight_forced = len(plan.forced)
         result = self.session.verify(tree, probs, plan.forced)
         self._record(result)
-        if drafted and self.planner is not None and not plan.forced and tree.size:
+        if drafted and self.planner is not None and not plan.forced:  # empty trees too: link and verify(1) times
             self.planner.observe(tree, result.accepted_tokens, result.stats, self.stats.draft_ms - draft_start)
         self._apply(len(plan.forced), result)
 

@@ -119,3 +119,4 @@ def test_no_tree_when_speculation_does_not_pay_stays_exact(stories, stories_path
     gen = decoder.generate(prompt, 20, stop_on_eos=False)
     assert gen.tokens == reference_greedy(model, prompt, 20)
     assert gen.stats.trees == {"none": 19} and gen.stats.draft_tokens == 0 and gen.stats.draft_ms == 0
+    assert len(planner.verify_fit.points) == 19  # it keeps measuring the link and one-token steps
