@@ -52,6 +52,10 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "splitspec.v1.VerifyService"
 PARSE_THREADS = 2  # threads that decode and check draft probabilities beside the model worker
+# a batched forward copies every session's KV prefix into rows padded to the longest one; beyond
+# this many padded positions the steps are split over several forwards (SmolLM2-135M: 46 KB of
+# fp32 KV per position, so ~0.75 GB transient at the limit)
+MAX_BATCH_PADDED_TOKENS = 16384
 _DROP_NOTICE_S = 0.2  # shutdown: the longest wait, after the grace period, for dropped calls to be told
 
 
@@ -351,8 +355,12 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         score them in one forward (`_verify_steps`). Returns this call's reply or raises its error."""
         if not item.done:
             with self._waiting_lock:
-                others = [s for s in self._waiting if s is not item][: self.limits.max_batch - 1]
-                batch = [item, *others]
+                batch = [item]
+                for other in self._waiting:
+                    if len(batch) >= self.limits.max_batch:
+                        break
+                    if other is not item and self._padded_tokens([*batch, other]) <= MAX_BATCH_PADDED_TOKENS:
+                        batch.append(other)
                 for s in batch:
                     if s in self._waiting:
                         self._waiting.remove(s)
@@ -360,6 +368,11 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         if item.error is not None:
             raise item.error
         return item.reply
+
+    @staticmethod
+    def _padded_tokens(batch: list[_Step]) -> int:
+        """Cache positions a batched forward of `batch` copies: rows x the longest prefix."""
+        return len(batch) * max(cache_length(s.entry.session.cache) if s.entry.session else 0 for s in batch)
 
     def _verify_steps(self, batch: list[_Step]) -> None:
         """Score the steps of `batch` (one per session). Step bookkeeping happens here, serialized
