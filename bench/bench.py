@@ -31,6 +31,7 @@ from splitspec.client.loop import SpeculativeDecoder
 from splitspec.client.tree_planner import TreePlanner
 from splitspec.client.transport import RemoteVerifier, load_client_security
 from splitspec.netsim import load_profile
+from splitspec.netsim.schedule import ProfileSwitching, ScheduledSwitches
 from splitspec.netsim.backends import RelayBackend
 from splitspec.server.local import LocalVerifier
 from splitspec.server.runner import TargetRunner
@@ -86,7 +87,7 @@ class BenchConfig:
         for m in cfg.local_methods:
             cfg.local_spec(m)
         for spec in cfg.profiles:
-            load_profile(spec)  # fail before any model is loaded
+            link_profiles(spec)  # fail before any model is loaded
         return cfg
 
     def split_spec(self, method: str) -> DrafterSpec:
@@ -130,11 +131,27 @@ def _csv(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
+def link_profiles(spec: str, seed: int = 0):
+    """(the LinkProfile a link starts with, its ProfileSwitching or None, the profiles it switches
+    between) for a --profiles entry: a preset, a .toml file, or `A~B/PERIOD` (netsim/schedule.py),
+    whose starting profile is A renamed to the whole spec, so results carry it.
+
+    Raises:
+        ValueError: an unknown profile or a malformed switching spec.
+    """
+    switching = ProfileSwitching.parse(spec)
+    if switching is None:
+        return load_profile(spec).with_seed(seed), None, ()
+    phases = [load_profile(name).with_seed(seed) for name in switching.names]
+    return replace(phases[0], name=switching.name), switching, phases
+
+
 @contextlib.contextmanager
-def open_link(backend: str, profile, upstream: tuple[str, int]) -> Iterator[str]:
+def open_link(backend: str, profile, upstream: tuple[str, int], switching=None, phases=()) -> Iterator[str]:
     """Put an emulated link with `profile` (a LinkProfile) in front of `upstream` (host, port) and
     yield the HOST:PORT a client dials to cross it; the link is torn down on exit. The relay runs in
-    its own process, so the client's Python threads (drafting) cannot delay it.
+    its own process, so the client's Python threads (drafting) cannot delay it. With `switching`
+    the link alternates between `phases` every period, from now until exit.
 
     Raises:
         ValueError: a backend this bench cannot drive (tun and netem need the server inside a
@@ -143,7 +160,12 @@ def open_link(backend: str, profile, upstream: tuple[str, int]) -> Iterator[str]
     if backend != "relay":
         raise ValueError(f"link backend {backend!r} is not supported by bench; available: {', '.join(BACKENDS)}")
     with RelayBackend(profile, listen_host=upstream[0], own_process=True) as link:
-        yield link.expose(upstream[1])
+        address = link.expose(upstream[1])
+        if switching is None:
+            yield address
+            return
+        with ScheduledSwitches(link, switching, phases):
+            yield address
 
 
 @dataclass
@@ -249,14 +271,16 @@ def build_arms(cfg: BenchConfig, stack: contextlib.ExitStack, model, tokenizer, 
     if not cfg.methods:
         return arms
     specs = {m: cfg.split_spec(m) for m in cfg.methods}
-    links = [(load_profile(spec).with_seed(cfg.seed), cfg.backend) for spec in cfg.profiles] or [(None, None)]
+    links = [(spec, cfg.backend) for spec in cfg.profiles] or [(None, None)]
     hosted = sorted({f"--lsa={s.name}" for s in specs.values() if s.lsa == "server" and s.kind == "moa"})
     port = free_port()
     server = start_server(cfg.target, port, extra=hosted, threads=cfg.threads)
     stack.callback(stop_server, server)
     drafters = {m: drafter(specs[m]) for m in cfg.methods}  # one per method, reset for every answer
-    for profile, backend in links:
-        address = stack.enter_context(open_link(backend, profile, ("127.0.0.1", port))) if profile else f"127.0.0.1:{port}"
+    for spec, backend in links:
+        profile, switching, phases = link_profiles(spec, cfg.seed) if spec else (None, None, ())
+        address = (stack.enter_context(open_link(backend, profile, ("127.0.0.1", port), switching, phases))
+                   if profile else f"127.0.0.1:{port}")
         verifier = RemoteVerifier(address, **load_client_security())  # $SPLITSPEC_AUTH_TOKEN if the server wants one
         stack.callback(verifier.close)
         for m in cfg.methods:

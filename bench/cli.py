@@ -92,8 +92,9 @@ def _add_bench_parser(sub) -> None:
                    help="single-device reference methods (drafter names, optionally with ;vocab= and ;tree=); plain "
                         "generate() always runs; '' for none")
     p.add_argument("--profiles", default="",
-                   help="link profiles for split mode, comma-separated presets (lan, wifi, 5g, 4g) or .toml files; "
-                        "empty: plain loopback, no emulation")
+                   help="link profiles for split mode, comma-separated presets (lan, wifi, 5g, 4g), .toml files, or "
+                        "A~B/PERIOD for a link alternating between profiles (e.g. 4g~lan/10s); empty: plain "
+                        "loopback, no emulation")
     p.add_argument("--backend", default="relay", choices=BACKENDS, help="link emulation backend")
     p.add_argument("--seed", type=int, default=0, help="seed of the link emulation and the drafters")
     p.add_argument("--threads", type=int, default=None,

@@ -279,6 +279,12 @@ class RelayBackend(Link):
         for relay in self.relays.values():
             relay.cut() if cut else relay.restore()
 
+    def set_profile(self, profile: LinkProfile) -> None:
+        """Switch every exposed relay (and later ones) to `profile`, open connections included."""
+        self.profile = profile
+        for relay in self.relays.values():
+            relay.set_profile(profile)
+
     def stats(self) -> dict:
         """Payload bytes relayed, all exposed ports together: bytes_up (client to server), bytes_down."""
         counts = [relay.stats() for relay in self.relays.values()]

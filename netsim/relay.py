@@ -68,6 +68,7 @@ class RelayLink:
         self._up = asyncio.Event()
         self._up.set()
         self._tasks: set[asyncio.Task] = set()
+        self._directions: set[_Direction] = set()
         self.bytes_up = self.bytes_down = 0
 
     @property
@@ -89,6 +90,13 @@ class RelayLink:
         """Black-hole both directions until `restore()` (connections stay open, nothing arrives)."""
         self._up.clear()
 
+    def set_profile(self, profile: LinkProfile) -> None:
+        """Switch the link's delay, rate and loss now, for open connections too (a phone moving
+        from 4G to Wi-Fi); bytes already scheduled keep their delivery times."""
+        self.profile = profile
+        for direction in self._directions:
+            direction.profile = profile
+
     def restore(self) -> None:
         self._up.set()
 
@@ -105,6 +113,7 @@ class RelayLink:
         seed = self.rng.randrange(2**32)
         up = _Direction(self.profile, random.Random(seed))
         down = _Direction(self.profile, random.Random(seed + 1))
+        self._directions.update((up, down))
         pumps = [asyncio.create_task(self._pump(client_reader, server_writer, up, "up")),
                  asyncio.create_task(self._pump(server_reader, client_writer, down, "down"))]
         self._tasks.update(pumps)
@@ -112,6 +121,7 @@ class RelayLink:
             await asyncio.gather(*pumps, return_exceptions=True)
         finally:
             self._tasks.difference_update(pumps)
+            self._directions.difference_update((up, down))
             for writer in (client_writer, server_writer):
                 writer.close()
 
@@ -179,6 +189,9 @@ class RelayThread:
     def restore(self) -> None:
         self.loop.call_soon_threadsafe(self.link.restore)
 
+    def set_profile(self, profile: LinkProfile) -> None:
+        self.loop.call_soon_threadsafe(self.link.set_profile, profile)
+
     def stats(self) -> dict:
         """Payload bytes relayed: {"bytes_up": client to server, "bytes_down": server to client}."""
         return {"bytes_up": self.link.bytes_up, "bytes_down": self.link.bytes_down}
@@ -199,7 +212,7 @@ class RelayProcess:
     """A RelayLink in a child process; the same methods as RelayThread.
 
     The child runs this module's `main`: it prints {"port": N} once it listens, then
-    answers one JSON line per command on stdin (cut, restore, stats) and exits at EOF.
+    answers one JSON line per command on stdin (cut, restore, stats, profile) and exits at EOF.
 
     Raises:
         RuntimeError: the child did not start listening.
@@ -227,6 +240,12 @@ class RelayProcess:
 
     def restore(self) -> None:
         self._ask("restore")
+
+    def set_profile(self, profile: LinkProfile) -> None:
+        """Raises RuntimeError: the child refused the profile."""
+        reply = self._ask("profile " + json.dumps(profile.to_dict()))
+        if "error" in reply:
+            raise RuntimeError(reply["error"])
 
     def stats(self) -> dict:
         return self._ask("stats")
@@ -263,8 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     relay = RelayThread(LinkProfile(**json.loads(args.profile)), args.upstream, args.listen)
     print(json.dumps({"port": relay.port}), flush=True)
     set_cut = lambda cut: relay.cut() if cut else relay.restore()  # noqa: E731
+    set_profile = lambda fields: relay.set_profile(LinkProfile(**fields))  # noqa: E731
     for line in sys.stdin:
-        print(answer(line.strip(), set_cut, relay.stats), flush=True)
+        print(answer(line.strip(), set_cut, relay.stats, set_profile), flush=True)
     relay.stop()
     return 0
 

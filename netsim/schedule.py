@@ -4,6 +4,7 @@ A `CutSchedule` is a sorted list of non-overlapping outages (at_s, duration_s), 
 moment the schedule starts. Text form: comma-separated `AT:DURATION` items, each a number with an
 optional unit `ms`, `s` (the default) or `m`, e.g. "50s:10s,120:5,2m:500ms".
 `ScheduledCuts(link, schedule)` runs it against any backend's `cut()` / `restore()` on a thread.
+`ProfileSwitching` ("4g~lan/10s") and `ScheduledSwitches` alternate a relay link's profile instead.
 """
 from __future__ import annotations
 
@@ -115,6 +116,74 @@ class ScheduledCuts:
             self.log.append((self.clock() - self.t0, "restore"))
 
     def __enter__(self) -> "ScheduledCuts":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+@dataclass(frozen=True)
+class ProfileSwitching:
+    """A link that alternates between profiles every `period_s` (a phone moving between 4G and
+    Wi-Fi). Text form: `A~B[~C...]/PERIOD`, e.g. "4g~lan/10s": 4g for 10 s, lan for 10 s, 4g, ...
+
+    Raises:
+        ValueError: fewer than two profiles, or a period that is not > 0.
+    """
+
+    names: tuple[str, ...]
+    period_s: float
+
+    def __post_init__(self) -> None:
+        if len(self.names) < 2 or self.period_s <= 0:
+            raise ValueError(f"a switching link needs two or more profiles and a period > 0: {self}")
+
+    @classmethod
+    def parse(cls, spec: str) -> "ProfileSwitching | None":
+        """The switching of "A~B/PERIOD", or None for a spec without `~` (a single profile)."""
+        if "~" not in spec:
+            return None
+        names, _, period = spec.partition("/")
+        if not period:
+            raise ValueError(f"a switching link is A~B/PERIOD (e.g. 4g~lan/10s), got {spec!r}")
+        return cls(tuple(n.strip() for n in names.split("~")), parse_duration_s(period))
+
+    @property
+    def name(self) -> str:
+        return "~".join(self.names) + f"/{self.period_s:g}s"
+
+
+class ScheduledSwitches:
+    """Applies a ProfileSwitching to a link (anything with `set_profile(profile)`) on a daemon
+    thread, from `start()`; `profiles` are the LinkProfiles of `switching.names`, in order.
+    `log` holds (t_s, profile name) as applied."""
+
+    def __init__(self, link, switching: ProfileSwitching, profiles, clock=time.monotonic) -> None:
+        self.link, self.switching, self.profiles, self.clock = link, switching, list(profiles), clock
+        self.log: list[tuple[float, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="netsim-switches")
+        self.t0 = 0.0
+
+    def start(self) -> "ScheduledSwitches":
+        self.t0 = self.clock()
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        turn = 1
+        while not self._stop.wait(max(0.0, self.t0 + turn * self.switching.period_s - self.clock())):
+            profile = self.profiles[turn % len(self.profiles)]
+            self.link.set_profile(profile)
+            self.log.append((self.clock() - self.t0, profile.name))
+            turn += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> "ScheduledSwitches":
         return self.start()
 
     def __exit__(self, *exc) -> None:
