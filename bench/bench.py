@@ -147,11 +147,13 @@ def link_profiles(spec: str, seed: int = 0):
 
 
 @contextlib.contextmanager
-def open_link(backend: str, profile, upstream: tuple[str, int], switching=None, phases=()) -> Iterator[str]:
+def open_link(backend: str, profile, upstream: tuple[str, int], switching=None,
+              phases=()) -> Iterator[tuple[str, ScheduledSwitches | None]]:
     """Put an emulated link with `profile` (a LinkProfile) in front of `upstream` (host, port) and
-    yield the HOST:PORT a client dials to cross it; the link is torn down on exit. The relay runs in
-    its own process, so the client's Python threads (drafting) cannot delay it. With `switching`
-    the link alternates between `phases` every period, from now until exit.
+    yield (the HOST:PORT a client dials to cross it, its ScheduledSwitches or None); the link is
+    torn down on exit. The relay runs in its own process, so the client's Python threads (drafting)
+    cannot delay it. With `switching` the link alternates between `phases` every period
+    (`run_arm` restarts the sequence at each answer).
 
     Raises:
         ValueError: a backend this bench cannot drive (tun and netem need the server inside a
@@ -162,10 +164,10 @@ def open_link(backend: str, profile, upstream: tuple[str, int], switching=None, 
     with RelayBackend(profile, listen_host=upstream[0], own_process=True) as link:
         address = link.expose(upstream[1])
         if switching is None:
-            yield address
+            yield address, None
             return
-        with ScheduledSwitches(link, switching, phases):
-            yield address
+        with ScheduledSwitches(link, switching, phases) as switches:
+            yield address, switches
 
 
 @dataclass
@@ -180,6 +182,7 @@ class Arm:
     link: dict | None = None  # the LinkProfile's fields
     lsa: str | None = None  # MoA LSA placement
     quant: str | None = None  # feature quantization (moa, eagle2 in split mode)
+    switches: ScheduledSwitches | None = None  # a link switching profiles, restarted at each answer
 
     @property
     def label(self) -> str:
@@ -279,8 +282,8 @@ def build_arms(cfg: BenchConfig, stack: contextlib.ExitStack, model, tokenizer, 
     drafters = {m: drafter(specs[m]) for m in cfg.methods}  # one per method, reset for every answer
     for spec, backend in links:
         profile, switching, phases = link_profiles(spec, cfg.seed) if spec else (None, None, ())
-        address = (stack.enter_context(open_link(backend, profile, ("127.0.0.1", port), switching, phases))
-                   if profile else f"127.0.0.1:{port}")
+        address, switches = (stack.enter_context(open_link(backend, profile, ("127.0.0.1", port), switching, phases))
+                             if profile else (f"127.0.0.1:{port}", None))
         verifier = RemoteVerifier(address, **load_client_security())  # $SPLITSPEC_AUTH_TOKEN if the server wants one
         stack.callback(verifier.close)
         for m in cfg.methods:
@@ -288,7 +291,7 @@ def build_arms(cfg: BenchConfig, stack: contextlib.ExitStack, model, tokenizer, 
             arms.append(Arm("split", m, decoder(verifier, spec, drafters[m]),  # a planner per link when adaptive
                             profile=profile.name if profile else "loopback", backend=backend,
                             link=profile.to_dict() if profile else None, lsa=spec.lsa if spec.kind == "moa" else None,
-                            quant=spec.quant if spec.kind in ("moa", "eagle2") else None))
+                            quant=spec.quant if spec.kind in ("moa", "eagle2") else None, switches=switches))
     return arms
 
 
@@ -332,6 +335,8 @@ def run_baseline(model, ids: list[int], max_new_tokens: int, eos: list[int]) -> 
 
 def run_arm(arm: Arm, ids: list[int], max_new_tokens: int, reference: list[int]) -> BenchRecord:
     """One answer of one arm: its stats, latencies and whether it equals `reference` [N]."""
+    if arm.switches is not None:  # every method meets the link's changes at the same moments of its answer
+        arm.switches.restart()
     clock = ArrivalClock()
     gen = arm.decoder.generate(ids, max_new_tokens, on_tokens=clock)
     s = gen.stats

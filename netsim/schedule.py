@@ -156,23 +156,34 @@ class ProfileSwitching:
 class ScheduledSwitches:
     """Applies a ProfileSwitching to a link (anything with `set_profile(profile)`) on a daemon
     thread, from `start()`; `profiles` are the LinkProfiles of `switching.names`, in order.
-    `log` holds (t_s, profile name) as applied."""
+    `restart()` begins the sequence again from the first profile (a benchmark anchors it to each
+    answer, so every method meets the same changes at the same moments). `log` holds (t_s,
+    profile name) as applied, t_s from the latest (re)start."""
 
     def __init__(self, link, switching: ProfileSwitching, profiles, clock=time.monotonic) -> None:
         self.link, self.switching, self.profiles, self.clock = link, switching, list(profiles), clock
         self.log: list[tuple[float, str]] = []
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="netsim-switches")
+        self._thread: threading.Thread | None = None
         self.t0 = 0.0
 
     def start(self) -> "ScheduledSwitches":
+        self._stop = threading.Event()
         self.t0 = self.clock()
+        self._thread = threading.Thread(target=self._run, args=(self._stop,), daemon=True, name="netsim-switches")
         self._thread.start()
         return self
 
-    def _run(self) -> None:
+    def restart(self) -> None:
+        """Back to the first profile now, the next switch one period from now."""
+        self.stop()
+        self.link.set_profile(self.profiles[0])
+        self.log.append((0.0, self.profiles[0].name))
+        self.start()
+
+    def _run(self, stop: threading.Event) -> None:
         turn = 1
-        while not self._stop.wait(max(0.0, self.t0 + turn * self.switching.period_s - self.clock())):
+        while not stop.wait(max(0.0, self.t0 + turn * self.switching.period_s - self.clock())):
             profile = self.profiles[turn % len(self.profiles)]
             self.link.set_profile(profile)
             self.log.append((self.clock() - self.t0, profile.name))
@@ -180,7 +191,7 @@ class ScheduledSwitches:
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread.is_alive():
+        if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout=5)
 
     def __enter__(self) -> "ScheduledSwitches":

@@ -32,7 +32,14 @@ def test_spec():
     assert all(p.seed == 3 for p in phases)
 
 
-def test_schedule_alternates():
+def _wait_for(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_schedule_alternates_and_restarts():
     applied = []
 
     class Link:
@@ -40,9 +47,22 @@ def test_schedule_alternates():
             applied.append(profile.name)
 
     with ScheduledSwitches(Link(), ProfileSwitching(("slow", "fast"), 0.05), [SLOW, FAST]) as switches:
-        time.sleep(0.23)
+        _wait_for(lambda: len(applied) >= 4)
     assert applied[:4] == ["fast", "slow", "fast", "slow"]
     assert [name for _, name in switches.log] == applied
+
+    applied.clear()
+    switches = ScheduledSwitches(Link(), ProfileSwitching(("slow", "fast"), 1.0), [SLOW, FAST]).start()
+    try:
+        _wait_for(lambda: applied == ["fast"])
+        switches.restart()  # back to the first profile at once, the next switch a full period later
+        assert applied == ["fast", "slow"]
+        time.sleep(0.2)
+        assert applied == ["fast", "slow"]
+        _wait_for(lambda: len(applied) == 3)
+        assert applied[-1] == "fast"
+    finally:
+        switches.stop()
 
 
 def _echo_server() -> tuple[socket.socket, int]:
