@@ -101,9 +101,11 @@ def test_forced_tokens_and_a_single_item(stories):
     assert len(runner.verify_batch([(b, DraftTree.empty(), None, ())])) == 1
 
 
-def test_the_service_batches_concurrent_sessions_and_stays_exact(stories, serve):
+@pytest.mark.parametrize("copy_bound", [None, 1])
+def test_the_service_batches_concurrent_sessions_and_stays_exact(stories, serve, monkeypatch, copy_bound):
     """Five clients decode at once through the gRPC service while the first step is held: the
-    steps queued meanwhile are scored in one forward, and every client's output is the target's."""
+    steps queued meanwhile are scored in one forward, and every client's output is the target's.
+    With the bound on a batch's padded KV copy below any two sessions, every forward scores one."""
     from splitspec.client.loop import SpeculativeDecoder
     from splitspec.client.transport import RemoteVerifier
     from splitspec.shared.config import ServerLimits
@@ -111,6 +113,10 @@ def test_the_service_batches_concurrent_sessions_and_stays_exact(stories, serve)
     from .helpers import OracleDrafter
     from .test_hardening import RunnerSpy
 
+    from splitspec.server import service
+
+    if copy_bound is not None:
+        monkeypatch.setattr(service, "MAX_BATCH_PADDED_TOKENS", copy_bound)
     model, tokenizer, model_id = stories
     runner = TargetRunner(model, tokenizer, model_id)
     spy = RunnerSpy(runner)
@@ -140,7 +146,10 @@ def test_the_service_batches_concurrent_sessions_and_stays_exact(stories, serve)
     for t in threads:
         t.join(120)
     assert outputs == {i: refs[i] for i in range(len(prompts))}
-    assert max(server.servicer.batch_sizes) >= len(prompts) - 1, server.servicer.batch_sizes
+    if copy_bound is None:
+        assert max(server.servicer.batch_sizes) >= len(prompts) - 1, server.servicer.batch_sizes
+    else:
+        assert set(server.servicer.batch_sizes) == {1}, server.servicer.batch_sizes
 
 
 def test_serve_bench_drives_concurrent_clients(stories, serve, stories_path):
