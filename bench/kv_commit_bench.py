@@ -57,9 +57,14 @@ def main() -> None:
                for a, b in zip(before.layers, after.layers)), "the two commits disagree"
     print(f"KV commit, median of {REPEATS}, {LAYERS} layers x [1, {KV_HEADS}, T, {HEAD_DIM}] fp32, "
           f"{len(ACCEPTED)} of {TREE_ROWS} tree rows kept")
-    for prefix_len in (300, 2000, 7000):
+    in_place = {}
+    for prefix_len in (300, 1000, 2000, 4000, 7000):
         old, new = _median_ms(concatenating_commit, prefix_len), _median_ms(kv.keep_rows, prefix_len)
+        in_place[prefix_len] = new
         print(f"context {prefix_len:5d}: concatenate {old:7.2f} ms   in place {new:6.2f} ms   {old / new:5.1f}x")
+    ratio = in_place[4000] / in_place[1000]
+    print(f"Goal (issue 11): in-place commit at 4K context within 10% of 1K: {ratio:.2f}x -> "
+          f"{'met' if abs(ratio - 1) <= 0.10 else 'missed'}")
 
 
 if __name__ == "__main__":
