@@ -16,9 +16,9 @@ $(STAMP): pyproject.toml
 	# the chat page's browser test drives Debian's chromium + chromedriver; where apt-get may not
 	# run (not root, no Debian), tests/test_chat_page.py is skipped and says why
 	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
-	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
-	  (DEBIAN_FRONTEND=noninteractive apt-get update -q >/dev/null 2>&1 && \
-	   DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null 2>&1) || \
+	  DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
+	  (DEBIAN_FRONTEND=noninteractive timeout 300 apt-get update -q >/dev/null 2>&1 && \
+	   DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -q chromium chromium-driver >/dev/null 2>&1) || \
 	  echo "chromium not installed: the chat page's browser test will be skipped"
 	touch $(STAMP)
 
