@@ -71,12 +71,19 @@ def _layers(cache: DynamicCache):
 
 
 def truncate(cache: DynamicCache, length: int, layer: int = 0) -> None:
-    """Keep the first `length` positions (lengths read from `layer`; every filled layer is cut)."""
+    """Keep the first `length` positions of every filled layer (a layer holding fewer keeps all;
+    layers may differ, as SWIFT's skipped layers do).
+
+    Raises:
+        ValueError: `layer` holds fewer than `length` positions.
+    """
     current = cache_length(cache, layer)
     if length > current:
         raise ValueError(f"cannot truncate a cache of {current} positions to {length}")
-    if length < current:
-        cache.crop(length - current)
+    for entry in _layers(cache):
+        held = entry.get_seq_length() if getattr(entry, "is_initialized", True) else 0
+        if held > length:
+            entry.crop(length - held)
 
 
 def keep_rows(cache: DynamicCache, prefix_len: int, rows: list[int]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from splitspec.server.runner import TargetRunner
 from splitspec.shared import kv
@@ -99,3 +100,17 @@ def test_forced_tokens_replace_the_pending_token(tiny_random):
     span = (len(prompt), len(prompt) + len(forced))
     assert torch.allclose(kv.layer_kv(session.cache, 0, *span)[0], kv.layer_kv(fresh.cache, 0, *span)[0], atol=ATOL)
     assert torch.allclose(out.features.keys[0][:, : len(forced)], kv.layer_kv(fresh.cache, 0, *span)[0], atol=ATOL)
+
+
+def test_truncate_cuts_each_layer_to_the_length():
+    """Layers of different lengths (SWIFT's skipped layers hold fewer rows than its kept ones) are
+    each cut to the first `length` positions; a shorter layer keeps all it holds."""
+    cache = DynamicCache()
+    for layer, rows in enumerate((9, 6, 9)):
+        cache.update(torch.arange(rows, dtype=torch.float32).view(1, 1, rows, 1).clone(),
+                     torch.arange(rows, dtype=torch.float32).view(1, 1, rows, 1).clone(), layer)
+    kv.truncate(cache, 7)
+    assert [layer.keys.shape[2] for layer in cache.layers] == [7, 6, 7]
+    assert cache.layers[0].keys.flatten().tolist() == list(range(7))
+    with pytest.raises(ValueError):
+        kv.truncate(cache, 8)

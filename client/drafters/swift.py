@@ -43,6 +43,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from splitspec.shared import kv
 from splitspec.shared.features import FeatureBatch, FeatureRequest
 from splitspec.shared.sampling import SamplingParams
 from splitspec.shared.tree import ROOT, DraftTree
@@ -227,7 +228,7 @@ class SwiftDrafter(Drafter):
     @torch.inference_mode()
     def commit(self, new_tokens, features: FeatureBatch) -> None:
         check_contiguous(features, self.verified)
-        self._crop(self.verified)
+        kv.truncate(self.cache, self.verified)
         for layer in range(self.num_layers):
             self.cache.update(features.keys[layer][None].to(self.device, self.dtype),
                               features.values[layer][None].to(self.device, self.dtype), layer)
@@ -235,12 +236,6 @@ class SwiftDrafter(Drafter):
 
     def rollback(self, length: int) -> None:
         self.tokens = self.tokens[:length]
-
-    def _crop(self, length: int) -> None:
-        """Every layer back to `length` positions (skipped layers may be shorter than kept ones)."""
-        for layer in self.cache.layers:
-            if getattr(layer, "is_initialized", True) and layer.get_seq_length() > length:
-                layer.crop(length - layer.get_seq_length())
 
     def report(self) -> dict:
         """The search so far: {"layers", "n_skip", "best", "best_matchness", "steps", "done",
@@ -257,7 +252,8 @@ class SwiftDrafter(Drafter):
         """Run `tokens` at `positions` through the target without the layers in `skip`, appending
         their K/V to the kept layers' cache. `mask`: additive [q, kv] over the kept layers' cache
         after the append. Returns logits [q, V] (fp32)."""
-        kept = nn.ModuleList(layer for i, layer in enumerate(self.all_layers) if i not in set(skip))
+        skipped = set(skip)
+        kept = nn.ModuleList(layer for i, layer in enumerate(self.all_layers) if i not in skipped)
         decoder = copy.copy(self.decoder)  # the target's modules and weights, its own layer list
         decoder._modules = dict(decoder._modules)
         decoder.layers = kept
@@ -268,8 +264,7 @@ class SwiftDrafter(Drafter):
         return self.model.get_output_embeddings()(out.last_hidden_state[0]).float()
 
     def _kept_length(self, skip: tuple[int, ...]) -> int:
-        layer = next(i for i in range(self.num_layers) if i not in set(skip))
-        return self.cache.get_seq_length(layer)
+        return self.cache.get_seq_length(min(set(range(self.num_layers)) - set(skip)))
 
     def _mask(self, visible: torch.Tensor, rows: int) -> torch.Tensor:
         """Additive mask [rows, len(visible) + rows]: each row sees the `visible` cache slots (bool)
@@ -292,7 +287,7 @@ class SwiftDrafter(Drafter):
         visible[: start - 1] = True
         inputs = self.tokens[start - 1: end - 1]
         logits = self._forward(skip, inputs, list(range(start - 1, end - 1)), self._mask(visible, len(inputs)))
-        self._crop(self.verified)
+        kv.truncate(self.cache, self.verified)  # the kept layers' draft rows go
         predicted = logits.argmax(-1).tolist()
         return sum(p == t for p, t in zip(predicted, self.tokens[start:end])) / window
 
@@ -337,7 +332,7 @@ class SwiftDrafter(Drafter):
             cached = self._kept_length(skip)
             logits = self._forward(skip, [top[0]], [pending + depth], self._mask(torch.ones(cached, dtype=torch.bool),
                                                                                     1))[-1]
-        self._crop(self.verified)
+        kv.truncate(self.cache, self.verified)  # the kept layers' draft rows go
         return Proposal(DraftTree(tuple(tokens), tuple(parents)))
 
 
