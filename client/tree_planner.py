@@ -24,8 +24,9 @@ changes (4g -> lan), the EWMA of its cost follows within a few calls and so does
 from __future__ import annotations
 
 import collections
+import functools
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -35,6 +36,7 @@ from splitspec.shared.verifier import CallStats
 
 MAX_DEPTH = 8
 MAX_RANK = 4
+DEFAULT_STEP_MS = 40.0  # a one-position verify before anything is measured (SmolLM2-135M on the CPU)
 
 
 @dataclass(frozen=True)
@@ -169,14 +171,16 @@ class TreePlanner:
             expected += reach
         return expected
 
-    def step_ms(self, tree: TreeConfig | None) -> float:
-        """Predicted wall time of one step with this tree (None: no tree): drafting + link + verify."""
-        one = self.verify_fit.predict(1, self.config.verify_slope_prior, 40.0)
-        if tree is None:
-            return (self.link_ms or 0.0) + one
-        verify = self.verify_fit.predict(tree.max_nodes + 1, self.config.verify_slope_prior, 40.0)
-        draft = self.draft_fit.predict(tree.depth, 1.0, self.config.draft_slope_prior * one)
-        return draft + (self.link_ms or 0.0) + verify
+    def step_ms(self) -> Callable[[TreeConfig | None], float]:
+        """The predicted wall time of one step, ms, as a function of the tree (None: no tree):
+        drafting + link + verify, from the fits as they are now (each evaluated once)."""
+        cfg = self.config
+        one = self.verify_fit.predict(1, cfg.verify_slope_prior, DEFAULT_STEP_MS)
+        link = self.link_ms or 0.0
+        draft = functools.cache(lambda depth: self.draft_fit.predict(depth, 1.0, cfg.draft_slope_prior * one))
+        verify = functools.cache(lambda nodes: self.verify_fit.predict(nodes + 1, cfg.verify_slope_prior,
+                                                                       DEFAULT_STEP_MS))
+        return lambda tree: link + one if tree is None else draft(tree.depth) + link + verify(tree.max_nodes)
 
     def candidates(self, max_depth: int, max_nodes: int) -> list[TreeConfig]:
         cfg = self.config
@@ -187,17 +191,10 @@ class TreePlanner:
     def choose(self, max_depth: int = MAX_DEPTH, max_nodes: int = 64) -> TreeConfig | None:
         """The candidate tree with the most expected tokens per millisecond; None when no tree
         beats sending none (the loop then asks the target for one token, drafting nothing)."""
-        rates = self.accept_rates()
-        one = self.verify_fit.predict(1, self.config.verify_slope_prior, 40.0)
-        link = self.link_ms or 0.0
-        per_level = self.draft_fit.predict(1, 1.0, self.config.draft_slope_prior * one)
-        draft_two = self.draft_fit.predict(2, 1.0, self.config.draft_slope_prior * one)
-        verify_at = {n: self.verify_fit.predict(n + 1, self.config.verify_slope_prior, 40.0)
-                     for n in self.config.node_counts}
-        best, best_rate = None, 1.0 / max(link + one, 1e-3)
+        rates, step_ms = self.accept_rates(), self.step_ms()
+        best, best_rate = None, 1.0 / max(step_ms(None), 1e-3)
         for tree in self.candidates(max_depth, max_nodes):
-            draft = per_level + (draft_two - per_level) * (tree.depth - 1)
-            rate = self.expected_tokens(tree, rates) / max(draft + link + verify_at[tree.max_nodes], 1e-3)
+            rate = self.expected_tokens(tree, rates) / max(step_ms(tree), 1e-3)
             if rate > best_rate:
                 best, best_rate = tree, rate
         self.chosen["none" if best is None else f"{best.depth}x{best.top_b}x{best.max_nodes}"] += 1
@@ -206,7 +203,7 @@ class TreePlanner:
     def report(self) -> dict:
         """What the planner believes and chose so far (for stats and benchmarks)."""
         return {"link_ms": None if self.link_ms is None else round(self.link_ms, 2),
-                "verify_ms_1": round(self.verify_fit.predict(1, self.config.verify_slope_prior, 40.0), 2),
-                "verify_ms_9": round(self.verify_fit.predict(9, self.config.verify_slope_prior, 40.0), 2),
+                "verify_ms_1": round(self.verify_fit.predict(1, self.config.verify_slope_prior, DEFAULT_STEP_MS), 2),
+                "verify_ms_9": round(self.verify_fit.predict(9, self.config.verify_slope_prior, DEFAULT_STEP_MS), 2),
                 "accept_top1_by_depth": [round(float(r), 3) for r in self.accept_rates()[:, 0]],
                 "chosen": dict(self.chosen)}

@@ -15,7 +15,6 @@ import hmac
 import json
 import time
 import uuid
-
 from importlib import resources
 
 from fastapi import FastAPI, Request

@@ -210,7 +210,6 @@ class Engine:
         job.sink(Finished(text.text, reason, gen, len(job.prompt_ids), private, text.retracted))
         return "completed"
 
-
     def _history_writer(self, completion):
         """(event consumer mirroring the answer into the history, its message id), or (None, None)
         for a request without `splitspec.conversation`. Writes the request's last user message."""
