@@ -185,3 +185,42 @@ def test_examples_are_cached_in_the_run_directory(tmp_path, monkeypatch):
     other.name_or_path = "tok-b"
     trainer.cached_examples(TrainConfig(drafter="moa", target="t", out=tmp_path, max_tokens=3), other)
     assert calls == [2, 3, 3]
+
+
+def test_init_starts_each_drafter_from_its_checkpoint(stories, tmp_path):
+    """--init: a folder of <drafter name>/ checkpoints gives each drafter its own weights and token
+    count; a drafter without one starts from scratch; a checkpoint of another kind is refused."""
+    from splitspec.shared.drafters.checkpoint import TargetIdentity, save_checkpoint
+    from splitspec.train.trainer import initialise
+
+    model, tokenizer, model_id = stories
+    identity = TargetIdentity.of(model, tokenizer, model_id)
+    torch.manual_seed(1)
+    trained = build_drafter(DrafterJob("eagle2"), model.config)
+    save_checkpoint(tmp_path / "eagle2", "eagle2", trained, identity, {"tokens": 100, "tokens_total": 700})
+    cfg = TrainConfig(drafter="moa,eagle2", target="t", out=None, init=str(tmp_path))
+    fresh = build_drafter(DrafterJob("eagle2"), model.config)
+    assert initialise(cfg, DrafterJob("eagle2"), fresh, identity) == (str(tmp_path / "eagle2"), 700)
+    for key, value in trained.state_dict().items():  # the checkpoint is stored in bf16
+        torch.testing.assert_close(fresh.state_dict()[key], value.to(torch.bfloat16).float())
+    moa = build_drafter(DrafterJob("moa"), model.config)
+    before = {k: v.clone() for k, v in moa.state_dict().items()}
+    assert initialise(cfg, DrafterJob("moa"), moa, identity) == ("", 0)
+    assert all(torch.equal(before[k], v) for k, v in moa.state_dict().items())
+    single = TrainConfig(drafter="moa", target="t", out=None, init=str(tmp_path / "eagle2"))
+    with pytest.raises(ValueError, match="eagle2"):
+        initialise(single, DrafterJob("moa"), moa, identity)
+
+
+def test_skip_tokens_leaves_out_the_data_already_seen(stories, tmp_path):
+    from splitspec.train.trainer import load_examples
+
+    _, tokenizer, _ = stories
+    common = dict(drafter="moa", target="t", out=tmp_path, max_tokens=400, heldout=2, conversations=_conversations(40, 3))
+    whole, _ = load_examples(TrainConfig(**{**common, "max_tokens": 10_000}), tokenizer)
+    first, held = load_examples(TrainConfig(**common), tokenizer)
+    later, held_later = load_examples(TrainConfig(**common, skip_tokens=400), tokenizer)
+    assert held == held_later and first and later
+    ids = lambda xs: [tuple(e.input_ids) for e in xs]  # noqa: E731
+    assert not set(ids(first)) & set(ids(later))
+    assert ids(whole)[: len(first)] == ids(first) and ids(whole)[len(first): len(first) + len(later)] == ids(later)

@@ -45,6 +45,11 @@ def _add_recipe_args(p: argparse.ArgumentParser) -> None:
                    help="matmul dtype (bfloat16 = autocast; weights, loss and optimizer stay fp32)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--init", default="",
+                   help="start from trained weights: a checkpoint folder, or a folder of <drafter name>/ checkpoints "
+                        "(e.g. client/checkpoints/smollm2-135m); drafters without one start from scratch")
+    p.add_argument("--skip-tokens", type=int, default=0,
+                   help="skip this many tokens of the shuffled data first (what the --init weights already saw)")
 
 
 def _config(args, out: Path, **extra):
@@ -53,7 +58,8 @@ def _config(args, out: Path, **extra):
     return TrainConfig(drafter=args.drafter, target=args.target, out=out, tli=args.tli, max_len=args.max_len,
                        batch=args.batch, lr=args.lr, chunk_min=args.chunk[0], chunk_max=args.chunk[1],
                        staircase=args.staircase, tli_norm=not args.no_tli_norm, train_vocab=args.train_vocab,
-                       dtype=args.dtype, seed=args.seed, device=args.device, data=args.data, **extra)
+                       dtype=args.dtype, seed=args.seed, device=args.device, data=args.data, init=args.init,
+                       skip_tokens=args.skip_tokens, **extra)
 
 
 def _add_train_parser(sub) -> None:

@@ -103,6 +103,8 @@ class TrainConfig:
     device: str = "cpu"
     resume: bool = False
     data: str = "sharegpt"  # sharegpt | a distill-data JSONL file
+    init: str = ""  # start from trained weights: a checkpoint folder, or one holding <drafter name>/ folders
+    skip_tokens: int = 0  # skip this many tokens of the shuffled data first (data an --init run already saw)
     conversations: list | None = field(default=None, repr=False)  # tests pass their own data
 
     def jobs(self) -> list[DrafterJob]:
@@ -135,9 +137,12 @@ def load_examples(cfg: TrainConfig, tokenizer) -> tuple[list[Example], list[list
     else:
         rng.shuffle(train_convs)
         candidates = (tokenize_conversation(tokenizer, conv, cfg.max_len) for conv in train_convs)
-    examples, tokens = [], 0
+    examples, tokens, skipped = [], 0, 0
     for ex in candidates:
         if ex is None or len(ex.input_ids) < 8:
+            continue
+        if skipped < cfg.skip_tokens:
+            skipped += len(ex.input_ids)
             continue
         examples.append(ex)
         tokens += len(ex.input_ids)
@@ -158,7 +163,8 @@ def cached_examples(cfg: TrainConfig, tokenizer) -> tuple[list[Example], list[li
     conversations bypass it."""
     if cfg.conversations is not None:
         return load_examples(cfg, tokenizer)
-    key = {"data": cfg.data, "max_tokens": cfg.max_tokens, "max_len": cfg.max_len, "seed": cfg.seed,
+    key = {"data": cfg.data, "max_tokens": cfg.max_tokens, "skip_tokens": cfg.skip_tokens, "max_len": cfg.max_len,
+           "seed": cfg.seed,
            "heldout": cfg.heldout, "tokenizer": getattr(tokenizer, "name_or_path", ""),
            "vocab_size": len(tokenizer)}
     path = cfg.out / EXAMPLES
@@ -223,6 +229,8 @@ class Trainee:
     history: list = field(default_factory=list)
     best_tau: float = float("-inf")
     scale: torch.Tensor | None = None  # [E] TLI target scale, fixed from the first batch
+    init_from: str = ""  # the checkpoint the weights started from (--init), if any
+    init_tokens: int = 0  # training tokens behind those weights
 
     def state(self) -> dict:
         return {"drafter": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict(),
@@ -297,10 +305,11 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
         torch.manual_seed(cfg.seed)  # each drafter starts as it would alone
         drafter = build_drafter(job, eval_model.config).to(cfg.device).train()
         check_size(drafter)
+        init_from, init_tokens = initialise(cfg, job, drafter, TargetIdentity.of(eval_model, tokenizer, model_id))
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
         trainees.append(Trainee(job, drafter, TargetParts(train_model, job.tli), TargetParts(eval_model, job.tli),
                                 optimizer, random.Random(cfg.seed), torch.Generator().manual_seed(cfg.seed),
-                                cfg.out_dir(job)))
+                                cfg.out_dir(job), init_from=init_from, init_tokens=init_tokens))
     if vocab is not None:
         for t in trainees:
             t.eval_parts.restrict_vocab(vocab)
@@ -340,7 +349,8 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
         if state["step"] % cfg.eval_every == 0 or state["step"] == total_steps or stopping:
             state["elapsed_s"], tic = elapsed, time.time()
             for t in trainees:
-                record = {"step": state["step"], "tokens": state["tokens"], "elapsed_s": round(elapsed, 1),
+                record = {"step": state["step"], "tokens": state["tokens"],
+                          "tokens_total": t.init_tokens + state["tokens"], "elapsed_s": round(elapsed, 1),
                           "train": metrics[t.job.name],
                           **evaluate(cfg, _on_cpu(t.drafter, cfg), t.eval_parts, eval_model, tokenizer, held,
                                      held_examples, t.job)}
@@ -353,6 +363,34 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
             tic = time.time()
     bar.close()
     return {t.job.name: (t.history[-1] if t.history else {}) for t in trainees}
+
+
+def initialise(cfg: TrainConfig, job: DrafterJob, drafter: torch.nn.Module, target: "TargetIdentity") -> tuple[str, int]:
+    """Load `cfg.init`'s weights into `drafter` (a fine-tuning start; the optimizer starts fresh).
+
+    `cfg.init` is a checkpoint folder (one drafter) or a folder of `<drafter name>/` checkpoints
+    such as `client/checkpoints/<target>/`; a drafter with no checkpoint there starts from scratch.
+    Returns (the checkpoint folder or "", the training tokens its card records).
+    Raises:
+        CheckpointMismatch: the checkpoint was trained for another target.
+        ValueError: a checkpoint of another kind or shape than `job`.
+    """
+    from splitspec.shared.drafters.checkpoint import load_checkpoint
+
+    if not cfg.init:
+        return "", 0
+    root = Path(cfg.init)
+    path = root / job.name if (root / job.name / "drafter.json").exists() else root
+    if not (path / "drafter.json").exists() or (path == root and len(cfg.jobs()) > 1):
+        log.warning("no checkpoint for %s under %s: it starts from scratch", job.name, root)
+        return "", 0
+    kind, module, meta = load_checkpoint(path, target)
+    tli = meta["config"].get("tli", 0) if kind == "moa" else 0
+    if (kind, tli) != (job.kind, job.tli):
+        raise ValueError(f"{path} holds a {kind} (tli={tli}) drafter, not {job.name}")
+    drafter.load_state_dict(module.state_dict())
+    training = meta.get("training", {})
+    return str(path), int(training.get("tokens_total", training.get("tokens", 0)))
 
 
 def _on_cpu(drafter: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
@@ -452,7 +490,10 @@ def model_card(cfg: TrainConfig, t: Trainee, identity: TargetIdentity, state: di
         f"- data: {data}",
         f"- budget: {state['tokens']:,} training tokens ({state['step']} optimizer steps of {cfg.batch} conversations, "
         f"sequences <= {cfg.max_len} tokens; epoch budget {cfg.max_tokens:,} x {cfg.epochs}), AdamW lr {cfg.lr} "
-        f"(warm-up {cfg.warmup_steps} steps, cosine), seed {cfg.seed}",
+        f"(warm-up {cfg.warmup_steps} steps, cosine), seed {cfg.seed}"
+        + (f"; first {cfg.skip_tokens:,} tokens of the shuffled data skipped" if cfg.skip_tokens else ""),
+        *([f"- started from {t.init_from} ({t.init_tokens:,} tokens): {t.init_tokens + state['tokens']:,} training "
+           "tokens in all"] if t.init_from else []),
         f"- loss: 0.1 x forward KL(target || drafter)"
         + (f" over the {state['train_vocab']} most frequent tokens" if state.get("train_vocab") else "")
         + " + SmoothL1 on predicted activations"
@@ -468,8 +509,9 @@ def model_card(cfg: TrainConfig, t: Trainee, identity: TargetIdentity, state: di
         f"Reproduce: `splitspec train --drafter {drafters} --target {cfg.target} --data {cfg.data} "
         f"--max-tokens {cfg.max_tokens} --epochs {cfg.epochs} --max-len {cfg.max_len} --batch {cfg.batch} "
         f"--lr {cfg.lr} --chunk {cfg.chunk_min}-{cfg.chunk_max} --staircase {cfg.staircase}"
-        f"{' --tli-norm' if cfg.tli_norm else ''} --train-vocab {cfg.train_vocab} --dtype {cfg.dtype} "
-        f"--seed {cfg.seed} --out DIR`", ""])
+        f"{'' if cfg.tli_norm else ' --no-tli-norm'} --train-vocab {cfg.train_vocab} --dtype {cfg.dtype} "
+        f"--seed {cfg.seed}" + (f" --init {cfg.init}" if cfg.init else "")
+        + (f" --skip-tokens {cfg.skip_tokens}" if cfg.skip_tokens else "") + " --out DIR`", ""])
 
 
 def _save_checkpoint(cfg: TrainConfig, t: Trainee, identity: TargetIdentity, state: dict, record: dict) -> None:
@@ -478,6 +520,7 @@ def _save_checkpoint(cfg: TrainConfig, t: Trainee, identity: TargetIdentity, sta
             "config": {k: (str(v) if isinstance(v, Path) else v)
                        for k, v in asdict(cfg).items() if k != "conversations"},
             "drafter": t.job.name, "step": state["step"], "tokens": state["tokens"],
+            "tokens_total": t.init_tokens + state["tokens"], "init": t.init_from,
             "elapsed_s": round(state["elapsed_s"], 1), "device": cfg.device, "torch": torch.__version__,
             "last_eval": record}
     save_checkpoint(t.out, t.job.kind, t.drafter, identity, info)
