@@ -35,7 +35,7 @@ from splitspec.netsim.schedule import ProfileSwitching, ScheduledSwitches
 from splitspec.netsim.backends import RelayBackend
 from splitspec.server.local import LocalVerifier
 from splitspec.server.runner import TargetRunner
-from splitspec.shared.drafters.spec import DrafterSpec
+from splitspec.shared.drafters.spec import SELF_DRAFTING, DrafterSpec
 from splitspec.shared.models import encode_chat, eos_token_ids, load_model
 from splitspec.shared.records import AnswerRecord
 from splitspec.shared.reference import target_greedy
@@ -291,7 +291,7 @@ def build_arms(cfg: BenchConfig, stack: contextlib.ExitStack, model, tokenizer, 
             arms.append(Arm("split", m, decoder(verifier, spec, drafters[m]),  # a planner per link when adaptive
                             profile=profile.name if profile else "loopback", backend=backend,
                             link=profile.to_dict() if profile else None, lsa=spec.lsa if spec.kind == "moa" else None,
-                            quant=spec.quant if spec.kind in ("moa", "eagle2") else None, switches=switches))
+                            quant=spec.quant if spec.kind in SELF_DRAFTING else None, switches=switches))
     return arms
 
 

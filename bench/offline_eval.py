@@ -477,7 +477,7 @@ def run_experiment(cfg: EvalConfig, problems: list[dict]) -> tuple[list[dict], d
     for name in cfg.drafters:
         drafter = make_drafter(DrafterSpec.parse(name), target_fingerprint=fingerprint, target=cfg.target, target_model=model)
         if isinstance(drafter, (NoDrafter, NgramDrafter)):  # they would wait for a link that never returns
-            raise ValueError(f"drafter {name!r} cannot write alone; offline-eval needs draft-model, moa or eagle2")
+            raise ValueError(f"drafter {name!r} cannot write alone; offline-eval needs draft-model, moa, eagle2 or falcon")
         decoders[name] = SpeculativeDecoder(verifier, drafter, policy)
     eos = list(eos_token_ids(model, tokenizer))
     warm = encode_chat(tokenizer, [{"role": "user", "content": "Hello."}])  # first-call costs out of the timings

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from splitspec.client.drafters.eagle import EagleRuntime
+from splitspec.client.drafters.falcon import FalconRuntime
 from splitspec.client.drafters.moa import MoARuntime
 from splitspec.client.loop import OFFLINE, SpeculativeDecoder
 from splitspec.client.transport import RemoteVerifier
@@ -117,6 +118,9 @@ def _story_conversations(model, tokenizer, n: int, seed: int):
     return convs
 
 
+_RUNTIMES = {"eagle2": EagleRuntime, "falcon": FalconRuntime}
+
+
 @pytest.fixture(scope="module")
 def chat_stories(stories):
     """stories260K (fallback chat template) and synthetic conversations it wrote itself."""
@@ -127,10 +131,10 @@ def chat_stories(stories):
 
 @pytest.fixture(scope="module")
 def trained(chat_stories, stories_path, tmp_path_factory):
-    """Short training runs of moa (tli 0, 1) and eagle2 on stories260K; {name: (dir, first, last)}."""
+    """Short training runs of moa (tli 0, 1), eagle2 and falcon on stories260K; {name: (dir, first, last)}."""
     model, tokenizer, _, convs = chat_stories
     out = {}
-    for kind, tli in (("moa", 0), ("moa", 1), ("eagle2", 0)):
+    for kind, tli in (("moa", 0), ("moa", 1), ("eagle2", 0), ("falcon", 0)):
         cfg = TrainConfig(drafter=kind, target=str(stories_path), out=tmp_path_factory.mktemp(f"{kind}{tli}"), tli=tli,
                           max_tokens=10_000, epochs=6, batch=4, lr=3e-3, heldout=6, eval_every=1000, eval_prompts=2,
                           eval_new_tokens=20, conversations=convs, seed=0, dtype="float32")
@@ -197,8 +201,8 @@ def test_quantized_features_keep_accept_length(trained, chat_stories, serve, qua
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,draft_vocab", [("moa0", 0), ("moa1", 0), ("eagle20", 0), ("moa1", 96),
-                                               ("eagle20", 96)])
+@pytest.mark.parametrize("name,draft_vocab", [("moa0", 0), ("moa1", 0), ("eagle20", 0), ("falcon0", 0), ("moa1", 96),
+                                               ("eagle20", 96), ("falcon0", 96)])
 def test_greedy_equality_split(trained, chat_stories, serve, name, draft_vocab):
     """Lossless with each drafter, also when it drafts among the 96 most frequent tokens only."""
     from splitspec.shared.drafters.draft_vocab import count_tokens, top_tokens
@@ -215,7 +219,7 @@ def test_greedy_equality_split(trained, chat_stories, serve, name, draft_vocab):
         counts = count_tokens(((e.input_ids, e.loss_mask) for e in examples), model.config.vocab_size)
         parts.restrict_vocab(top_tokens(counts, draft_vocab))
     runtime = (MoARuntime(module, parts, tree, quantization=pb.QUANTIZATION_INT8)
-               if kind == "moa" else EagleRuntime(module, parts, tree))
+               if kind == "moa" else _RUNTIMES[kind](module, parts, tree))
     prompt = _prompt(tokenizer, "Tom had a big red ball. He")
     ref = reference_greedy(model, prompt, 50)
     gen = SpeculativeDecoder(verifier, runtime).generate(prompt, 50, stop_on_eos=False)
@@ -223,7 +227,7 @@ def test_greedy_equality_split(trained, chat_stories, serve, name, draft_vocab):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["moa0", "moa1", "eagle20"])
+@pytest.mark.parametrize("name", ["moa0", "moa1", "eagle20", "falcon0"])
 def test_offline_continuation_heals_to_greedy(trained, chat_stories, name):
     """The trained drafters write alone past the verified positions (TLI layers fed their own
     predicted K/V, EAGLE its own predicted features); healed on reconnection, the answer is exact."""
@@ -231,7 +235,7 @@ def test_offline_continuation_heals_to_greedy(trained, chat_stories, name):
     kind, module, _ = load_checkpoint(trained[name][0])
     tree = TreeConfig(depth=4, top_b=3, max_nodes=10)
     runtime = (MoARuntime(module, TargetParts(model, module.config.tli), tree)
-               if kind == "moa" else EagleRuntime(module, TargetParts(model, 0), tree))
+               if kind == "moa" else _RUNTIMES[kind](module, TargetParts(model, 0), tree))
     prompt = _prompt(tokenizer, "Tom had a big red ball. He")
     ref = reference_greedy(model, prompt, 50)
     log = EventLog()  # each time, the link returns once the drafter has written 5 tokens alone

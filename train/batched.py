@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from splitspec.shared.drafters.eagle import EagleDrafter
+from splitspec.shared.drafters.falcon import K as FALCON_K
+from splitspec.shared.drafters.falcon import FalconDrafter, block_ends, relaxed_visible
 from splitspec.shared.drafters.moa import MoADrafter
 from splitspec.shared.drafters.target_parts import TargetParts
 
@@ -218,6 +220,7 @@ class LossOptions:
     tli_scale: torch.Tensor | None = None  # [E] per-dimension scale of layer L-N's input; None = raw
     sa_window: int | None = None  # MoA staircase; None = fully causal
     eagle_noise: float = 0.0
+    falcon_glance: float | None = None  # Falcon CSGD's glancing ratio; None = one teacher-forced pass
 
 
 def distill_loss_rows(logits: torch.Tensor, target_logits: torch.Tensor,
@@ -261,6 +264,70 @@ def eagle_loss_batch(drafter, parts, target: TargetBatch, opts: LossOptions, dty
     weight, bias = head_weight(parts.lm_head, opts.vocab)
     return distill_loss_rows(F.linear(slots, weight, bias), target.logits[keep],
                              [(slots, target.final[b[keep], t[keep]])])
+
+
+def falcon_forward_batch(drafter: FalconDrafter, parts: TargetParts, target: TargetBatch, dtype: torch.dtype,
+                         offsets: list[int], feats: torch.Tensor | None = None) -> torch.Tensor:
+    """Slot j holds (token j+1, feature f_j) and predicts f_{j+2}; blocks of k slots start at each
+    conversation's offset and read each other under the relaxed mask (seed 004 §2.2).
+
+    Args:
+        offsets: [B] where the first whole block starts (0 .. k-1), so both slots of a block are
+            trained at every position.
+        feats: [B, T-1, E] the slots' input features; None = the target's (teacher forcing).
+    Returns:
+        [B, T-1, E] predicted features. Right padding reaches no trained slot: a trained row i is
+        predicted by slot i-2, whose block ends at i-1 at the latest.
+    """
+    batch = target.batch
+    feats = target.final[:, :-1] if feats is None else feats
+    B, T = feats.shape[:2]
+    ends = torch.stack([block_ends(T, o) for o in offsets]).to(feats.device)
+    positions = torch.arange(T, device=feats.device).expand(B, T)
+    out, _ = drafter(parts.embed(batch.input_ids[:, 1:]), feats, positions, _additive(relaxed_visible(ends), dtype))
+    return out
+
+
+def falcon_loss_batch(drafter, parts, target: TargetBatch, opts: LossOptions, dtype: torch.dtype,
+                      rng: random.Random):
+    """Coupled Sequential Glancing Distillation (seed 004 §2.1), as we read it.
+
+    Pass 1 (no gradient) predicts every slot's f^_{j+2} with the target's features as inputs. Its
+    top-1 error rate e per conversation sets how much truth pass 2 glances at: each block keeps
+    the target's features with probability min(1, glance * e), and the others take pass 1's
+    predictions (f^_j from slot j-2, what a block after the root has at run time). Tokens and
+    features are replaced together, whole blocks at a time (coupled, consecutive). The loss (as
+    EAGLE's: 0.1 x KL + SmoothL1 on features) is on pass 2. Tokens stay the true ones: a drafted
+    path is verified only as far as its tokens are right.
+
+    Rows: trained position i is predicted by slot i - 2 (i >= 2). With `opts.falcon_glance` None
+    there is one teacher-forced pass (held-out figures: every input the target's).
+    """
+    B, T = target.batch.input_ids.shape
+    offsets = [rng.randrange(FALCON_K) for _ in range(B)]
+    true = target.final[:, :-1]
+    b, t = target.rows // T, target.rows % T
+    keep = t >= FALCON_K
+    b, t = b[keep], t[keep]
+    weight, bias = head_weight(parts.lm_head, opts.vocab)
+    if opts.falcon_glance is None:
+        slots = falcon_forward_batch(drafter, parts, target, dtype, offsets)[b, t - FALCON_K]
+        return distill_loss_rows(F.linear(slots, weight, bias), target.logits[keep], [(slots, target.final[b, t])])
+    with torch.no_grad():
+        first = falcon_forward_batch(drafter, parts, target, dtype, offsets)
+        wrong = (F.linear(first[b, t - FALCON_K], weight, bias).argmax(-1)
+                 != target.logits[keep].argmax(-1)).float()
+        error = torch.zeros(B, device=wrong.device).index_add_(0, b, wrong) / torch.bincount(b, minlength=B).clamp_min(1)
+    predicted = torch.cat([true[:, :FALCON_K], first[:, :-FALCON_K].to(true.dtype)], dim=1)
+    reveal = torch.ones(B, T - 1, dtype=torch.bool, device=true.device)
+    for row in range(B):
+        ends = block_ends(T - 1, offsets[row])
+        p = min(1.0, opts.falcon_glance * float(error[row]))
+        chosen = {int(e): rng.random() < p for e in ends.unique()}
+        reveal[row] = torch.tensor([chosen[int(e)] for e in ends], device=true.device)
+    out = falcon_forward_batch(drafter, parts, target, dtype, offsets, torch.where(reveal[..., None], true, predicted))
+    slots = out[b, t - FALCON_K]
+    return distill_loss_rows(F.linear(slots, weight, bias), target.logits[keep], [(slots, target.final[b, t])])
 
 
 def tli_scale(target: TargetBatch, layer: int, floor: float = 1e-2) -> torch.Tensor:

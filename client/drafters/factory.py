@@ -1,6 +1,6 @@
 """The one factory that builds a drafter from its `DrafterSpec` (shared/drafters/spec.py).
 
-moa and eagle2 draft among the target's `spec.vocab` most frequent tokens (FR-Spec; counts in
+moa, eagle2 and falcon draft among the target's `spec.vocab` most frequent tokens (FR-Spec; counts in
 client/checkpoints/<target>/token_counts.safetensors, see shared/drafters/draft_vocab.py).
 """
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from splitspec.shared.drafters.checkpoint import TargetIdentity, checkpoint_id, load_checkpoint
 from splitspec.shared.drafters.draft_vocab import COUNTS, load_draft_vocab
 from splitspec.shared.drafters.shipped import target_folder
-from splitspec.shared.drafters.spec import DEFAULT_DRAFT_VOCAB, DrafterSpec
+from splitspec.shared.drafters.spec import DEFAULT_DRAFT_VOCAB, SELF_DRAFTING, DrafterSpec
 from splitspec.shared.drafters.target_parts import TargetParts
 from splitspec.shared.models import load_model, load_tokenizer, tokenizer_fingerprint
 from splitspec.v1 import verify_pb2 as pb
@@ -16,6 +16,7 @@ from splitspec.v1 import verify_pb2 as pb
 from .base import Drafter, NoDrafter
 from .draft_model import DraftModelDrafter
 from .eagle import EagleRuntime
+from .falcon import FalconRuntime
 from .moa import MoARuntime
 from .ngram import NgramDrafter
 from .swift import SwiftConfig, SwiftDrafter
@@ -39,13 +40,13 @@ def make_drafter(spec: DrafterSpec, *, target_fingerprint: str, target: str | No
         device, dtype: where a draft-model drafter runs.
         seed: the user's seed; drafters draw from its Stream.DRAFTER stream (shared/sampling.py).
     Raises:
-        ValueError: moa / eagle2 / swift without a target, or a checkpoint of another kind.
+        ValueError: moa / eagle2 / falcon / swift without a target, or a checkpoint of another kind.
         TokenizerMismatch: a drafter whose tokenizer fingerprint differs from the target's.
         FileNotFoundError: spec.vocab > 0 for a target without token counts.
         CheckpointMismatch: a checkpoint trained for another target.
     """
     spec = spec.resolve(target)
-    if spec.kind in ("moa", "eagle2"):
+    if spec.kind in SELF_DRAFTING:
         return _self_drafter(spec, target_fingerprint=target_fingerprint, target=target, target_model=target_model,
                              seed=seed)
     if spec.kind == "none":
@@ -66,7 +67,7 @@ def make_drafter(spec: DrafterSpec, *, target_fingerprint: str, target: str | No
 
 def _self_drafter(spec: DrafterSpec, *, target_fingerprint: str, target: str | None, target_model,
                   seed: int) -> Drafter:
-    """A moa or eagle2 runtime on the target's frozen parts (see make_drafter)."""
+    """A moa, eagle2 or falcon runtime on the target's frozen parts (see make_drafter)."""
     if target is None:
         raise ValueError(f"{spec.kind} needs the target model (--target) for its embedding and LM head")
     path = spec.checkpoint(target)
@@ -86,6 +87,8 @@ def _self_drafter(spec: DrafterSpec, *, target_fingerprint: str, target: str | N
     quantization = FEATURE_QUANT[spec.quant]
     if spec.kind == "eagle2":
         return EagleRuntime(module, parts, spec.tree, quantization=quantization, seed=seed)
+    if spec.kind == "falcon":
+        return FalconRuntime(module, parts, spec.tree, quantization=quantization, seed=seed)
     lsa_id = checkpoint_id(path) if spec.lsa == "server" else ""
     return MoARuntime(module, parts, spec.tree, lsa_placement=spec.lsa, lsa_id=lsa_id, quantization=quantization,
                       seed=seed)

@@ -13,11 +13,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .eagle import EagleConfig, EagleDrafter
+from .falcon import FalconConfig, FalconDrafter
 from .moa import MoAConfig, MoADrafter
 
 WEIGHTS = "model.safetensors"
 CONFIG = "drafter.json"
-KINDS = {"moa": (MoAConfig, MoADrafter), "eagle2": (EagleConfig, EagleDrafter)}
+KINDS = {"moa": (MoAConfig, MoADrafter), "eagle2": (EagleConfig, EagleDrafter), "falcon": (FalconConfig, FalconDrafter)}
 
 
 class CheckpointMismatch(ValueError):
