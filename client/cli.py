@@ -56,7 +56,7 @@ def add_client_args(p: argparse.ArgumentParser, chat: bool = False) -> None:
                         "where its tokenizer comes from (default: the model the server reports)")
     p.add_argument("--drafter", default="auto",
                    help="auto | none | ngram | draft-model:MODEL[@layers=N] | moa[:tli=N|:PATH] | eagle2[:PATH] | "
-                        "falcon[:PATH] | swift[:ratio=R]; auto = the MoA checkpoint shipped for the target, else ngram; swift "
+                        "falcon[:PATH] | tokenswift[:PATH] | swift[:ratio=R]; auto = the MoA checkpoint shipped for the target, else ngram; swift "
                         "drafts with the target's own layers, so with --server the target's weights must also be "
                         "here (--target), and the server sends every layer's K/V; options ;lsa= ;quant= "
                         ";vocab= ;tree=DxBxN override the flags below (shared/drafters/spec.py)")
@@ -65,7 +65,7 @@ def add_client_args(p: argparse.ArgumentParser, chat: bool = False) -> None:
     p.add_argument("--feature-quant", default="fp16", choices=sorted(QUANTIZATIONS),
                    help="quantization of the features the server sends")
     p.add_argument("--draft-vocab", type=int, default=-1,
-                   help="moa/eagle2/falcon: draft among the N most frequent tokens (FR-Spec); 0 = the full vocabulary; "
+                   help="moa/eagle2/falcon/tokenswift: draft among the N most frequent tokens (FR-Spec); 0 = the full vocabulary; "
                         f"default: {DEFAULT_DRAFT_VOCAB} when the target has shipped token counts")
     p.add_argument("--no-spec", action="store_true", help="baseline: one target call per token")
     p.add_argument("--max-new-tokens", type=int, default=256)

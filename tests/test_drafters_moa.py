@@ -9,6 +9,7 @@ import torch
 
 from splitspec.client.drafters.eagle import EagleRuntime
 from splitspec.client.drafters.falcon import FalconRuntime
+from splitspec.client.drafters.tokenswift import TokenSwiftRuntime
 from splitspec.client.drafters.moa import MoARuntime
 from splitspec.client.loop import OFFLINE, SpeculativeDecoder
 from splitspec.client.transport import RemoteVerifier
@@ -118,7 +119,7 @@ def _story_conversations(model, tokenizer, n: int, seed: int):
     return convs
 
 
-_RUNTIMES = {"eagle2": EagleRuntime, "falcon": FalconRuntime}
+_RUNTIMES = {"eagle2": EagleRuntime, "falcon": FalconRuntime, "tokenswift": TokenSwiftRuntime}
 
 
 @pytest.fixture(scope="module")
@@ -131,10 +132,11 @@ def chat_stories(stories):
 
 @pytest.fixture(scope="module")
 def trained(chat_stories, stories_path, tmp_path_factory):
-    """Short training runs of moa (tli 0, 1), eagle2 and falcon on stories260K; {name: (dir, first, last)}."""
+    """Short training runs of moa (tli 0, 1), eagle2, falcon and tokenswift on stories260K;
+    {name: (dir, first, last)}."""
     model, tokenizer, _, convs = chat_stories
     out = {}
-    for kind, tli in (("moa", 0), ("moa", 1), ("eagle2", 0), ("falcon", 0)):
+    for kind, tli in (("moa", 0), ("moa", 1), ("eagle2", 0), ("falcon", 0), ("tokenswift", 0)):
         cfg = TrainConfig(drafter=kind, target=str(stories_path), out=tmp_path_factory.mktemp(f"{kind}{tli}"), tli=tli,
                           max_tokens=10_000, epochs=6, batch=4, lr=3e-3, heldout=6, eval_every=1000, eval_prompts=2,
                           eval_new_tokens=20, conversations=convs, seed=0, dtype="float32")
@@ -201,8 +203,8 @@ def test_quantized_features_keep_accept_length(trained, chat_stories, serve, qua
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,draft_vocab", [("moa0", 0), ("moa1", 0), ("eagle20", 0), ("falcon0", 0), ("moa1", 96),
-                                               ("eagle20", 96), ("falcon0", 96)])
+@pytest.mark.parametrize("name,draft_vocab", [("moa0", 0), ("moa1", 0), ("eagle20", 0), ("falcon0", 0), ("tokenswift0", 0),
+                                               ("moa1", 96), ("eagle20", 96), ("falcon0", 96)])
 def test_greedy_equality_split(trained, chat_stories, serve, name, draft_vocab):
     """Lossless with each drafter, also when it drafts among the 96 most frequent tokens only."""
     from splitspec.shared.drafters.draft_vocab import count_tokens, top_tokens

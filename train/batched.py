@@ -330,6 +330,24 @@ def falcon_loss_batch(drafter, parts, target: TargetBatch, opts: LossOptions, dt
     return distill_loss_rows(F.linear(slots, weight, bias), target.logits[keep], [(slots, target.final[b, t])])
 
 
+def tokenswift_loss_batch(heads, parts, target: TargetBatch, opts: LossOptions, dtype: torch.dtype):
+    """TokenSwift's heads (seed 003 §2.2) by distillation: head i at position t predicts token
+    t + 1 + i, so its rows are the trained positions p = t + i, judged against the target's
+    distribution there, plus SmoothL1 of h_i against the target's own f_p. Pooled over the heads."""
+    B, T = target.batch.input_ids.shape
+    hs = heads(target.final)  # [B, T, gamma, E]
+    b, p = target.rows // T, target.rows % T
+    slots, wanted, feats = [], [], []
+    for i in range(1, hs.shape[2] + 1):
+        keep = p >= i
+        slots.append(hs[b[keep], p[keep] - i, i - 1])
+        wanted.append(target.logits[keep])
+        feats.append(target.final[b[keep], p[keep]])
+    slots = torch.cat(slots)
+    weight, bias = head_weight(parts.lm_head, opts.vocab)
+    return distill_loss_rows(F.linear(slots, weight, bias), torch.cat(wanted), [(slots, torch.cat(feats))])
+
+
 def tli_scale(target: TargetBatch, layer: int, floor: float = 1e-2) -> torch.Tensor:
     """Per-dimension RMS [E] of layer `layer`'s input over the batch's valid positions (fp32)."""
     h = target.layer_inputs[layer][target.batch.valid].float()

@@ -25,7 +25,7 @@ def _chunk(text: str) -> tuple[int, int]:
 
 def _add_recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", required=True,
-                   help="moa | moa:tli=N | eagle2 | falcon, or a comma list trained together on one target pass")
+                   help="moa | moa:tli=N | eagle2 | falcon | tokenswift, or a comma list trained together on one target pass")
     p.add_argument("--tli", type=int, default=0, help="MoA Target Layer Inference for a single `moa`")
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--data", default="sharegpt", help="sharegpt, or a JSONL file written by `splitspec distill-data`")
@@ -64,7 +64,7 @@ def _config(args, out: Path, **extra):
 
 
 def _add_train_parser(sub) -> None:
-    p = sub.add_parser("train", help="train MoA / EAGLE-2 / Falcon drafters by distillation from the target")
+    p = sub.add_parser("train", help="train MoA / EAGLE-2 / Falcon / TokenSwift drafters by distillation from the target")
     _add_recipe_args(p)
     p.add_argument("--max-tokens", type=int, default=200_000, help="training tokens per epoch")
     p.add_argument("--epochs", type=int, default=1)

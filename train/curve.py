@@ -27,7 +27,7 @@ def table(histories: dict[str, list[dict]]) -> str:
     for name, records in histories.items():
         for r in records:
             gain = f"{r['memory_gain']:+.3f}" if "memory_gain" in r else "-"
-            lines.append(f"| {name} | {r['tokens']:,} | {r.get('elapsed_s', 0) / 60:.0f} | {r['tau']:.2f} | "
+            lines.append(f"| {name} | {r.get('tokens_total', r['tokens']):,} | {r.get('elapsed_s', 0) / 60:.0f} | {r['tau']:.2f} | "
                          f"{r['heldout_top1']:.3f} | {gain} | {r['heldout_loss']:.3f} |")
     return "\n".join(lines)
 
@@ -41,7 +41,7 @@ def plot(histories: dict[str, list[dict]], out: Path) -> None:
     fig, axes = plt.subplots(1, len(METRICS), figsize=(5 * len(METRICS), 4))
     for ax, (key, title) in zip(axes, METRICS):
         for name, records in histories.items():
-            points = [(r["tokens"], r[key]) for r in records if key in r]
+            points = [(r.get("tokens_total", r["tokens"]), r[key]) for r in records if key in r]
             if points:
                 ax.plot(*zip(*points), marker="o", label=name)
         ax.set_xscale("log")

@@ -33,11 +33,13 @@ from splitspec.shared.config import TreeConfig
 from splitspec.shared.drafters.checkpoint import TargetIdentity, save_checkpoint
 from splitspec.shared.drafters.eagle import EagleConfig, EagleDrafter
 from splitspec.shared.drafters.falcon import FalconConfig, FalconDrafter
+from splitspec.shared.drafters.tokenswift import TokenSwiftConfig, TokenSwiftHeads
 from splitspec.shared.drafters.moa import MoAConfig, MoADrafter
 from splitspec.shared.drafters.target_parts import TargetParts
 
 from .batched import (Batch, LossOptions, TargetBatch, batch_chunk_starts, bucketed_order, eagle_loss_batch,
-                      falcon_loss_batch, make_batch, moa_loss_batch, run_target_batch, tli_scale)
+                      falcon_loss_batch, make_batch, moa_loss_batch, run_target_batch, tli_scale,
+                      tokenswift_loss_batch)
 from .data import Example, iter_sharegpt, split_heldout, tokenize_conversation
 from .objectives import EAGLE_NOISE
 
@@ -58,22 +60,22 @@ class CheckpointTooLarge(ValueError):
 
 @dataclass(frozen=True)
 class DrafterJob:
-    """One drafter of a run: `moa`, `moa:tli=N`, `eagle2` or `falcon`."""
+    """One drafter of a run: `moa`, `moa:tli=N`, `eagle2`, `falcon` or `tokenswift`."""
 
     kind: str
     tli: int = 0
 
     @classmethod
     def parse(cls, text: str) -> "DrafterJob":
-        """Raises ValueError for anything but moa[:tli=N], eagle2 or falcon."""
+        """Raises ValueError for anything but moa[:tli=N], eagle2, falcon or tokenswift."""
         kind, _, option = text.strip().partition(":")
-        if kind in ("eagle2", "falcon") and not option:
+        if kind in ("eagle2", "falcon", "tokenswift") and not option:
             return cls(kind)
         if kind == "moa" and not option:
             return cls("moa")
         if kind == "moa" and option.startswith("tli=") and option[4:].isdigit():
             return cls("moa", int(option[4:]))
-        raise ValueError(f"bad drafter {text!r}; expected moa, moa:tli=N, eagle2 or falcon")
+        raise ValueError(f"bad drafter {text!r}; expected moa, moa:tli=N, eagle2, falcon or tokenswift")
 
     @property
     def name(self) -> str:
@@ -219,6 +221,8 @@ def build_drafter(cfg: TrainConfig | DrafterJob, target_config):
         return MoADrafter(MoAConfig.from_target(target_config, tli=job.tli))
     if job.kind == "falcon":
         return FalconDrafter(FalconConfig.from_target(target_config))
+    if job.kind == "tokenswift":
+        return TokenSwiftHeads(TokenSwiftConfig.from_target(target_config))
     return EagleDrafter(EagleConfig.from_target(target_config))
 
 
@@ -296,6 +300,8 @@ def trainee_loss(cfg: TrainConfig, t: Trainee, target: TargetBatch, opts: LossOp
         return moa_loss_batch(t.drafter, parts, target, starts, opts, dtype, shuffle)
     if t.job.kind == "falcon":
         return falcon_loss_batch(t.drafter, parts, target, opts, dtype, t.rng)
+    if t.job.kind == "tokenswift":
+        return tokenswift_loss_batch(t.drafter, parts, target, opts, dtype)
     return eagle_loss_batch(t.drafter, parts, target, opts, dtype, t.gen)
 
 
@@ -488,6 +494,7 @@ def measure_tau(cfg, drafter, parts, target_model, tokenizer, conversations, job
     from splitspec.client.drafters.eagle import EagleRuntime
     from splitspec.client.drafters.falcon import FalconRuntime
     from splitspec.client.drafters.moa import MoARuntime
+    from splitspec.client.drafters.tokenswift import TokenSwiftRuntime
     from splitspec.client.loop import SpeculativeDecoder
     from splitspec.server.local import LocalVerifier
     from splitspec.server.runner import TargetRunner
@@ -495,7 +502,8 @@ def measure_tau(cfg, drafter, parts, target_model, tokenizer, conversations, job
     from splitspec.shared.records import accept_length
 
     job = job or cfg.jobs()[0]
-    runtime = {"moa": MoARuntime, "eagle2": EagleRuntime, "falcon": FalconRuntime}[job.kind](drafter, parts, EVAL_TREE)
+    runtime = {"moa": MoARuntime, "eagle2": EagleRuntime, "falcon": FalconRuntime,
+               "tokenswift": TokenSwiftRuntime}[job.kind](drafter, parts, EVAL_TREE)
     decoder = SpeculativeDecoder(LocalVerifier(TargetRunner(target_model, tokenizer, cfg.target)), runtime)
     records = []
     for conv in conversations:

@@ -1,6 +1,6 @@
 """The one factory that builds a drafter from its `DrafterSpec` (shared/drafters/spec.py).
 
-moa, eagle2 and falcon draft among the target's `spec.vocab` most frequent tokens (FR-Spec; counts in
+moa, eagle2, falcon and tokenswift draft among the target's `spec.vocab` most frequent tokens (FR-Spec; counts in
 client/checkpoints/<target>/token_counts.safetensors, see shared/drafters/draft_vocab.py).
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ from .base import Drafter, NoDrafter
 from .draft_model import DraftModelDrafter
 from .eagle import EagleRuntime
 from .falcon import FalconRuntime
+from .tokenswift import TokenSwiftRuntime
 from .moa import MoARuntime
 from .ngram import NgramDrafter
 from .swift import SwiftConfig, SwiftDrafter
@@ -40,7 +41,7 @@ def make_drafter(spec: DrafterSpec, *, target_fingerprint: str, target: str | No
         device, dtype: where a draft-model drafter runs.
         seed: the user's seed; drafters draw from its Stream.DRAFTER stream (shared/sampling.py).
     Raises:
-        ValueError: moa / eagle2 / falcon / swift without a target, or a checkpoint of another kind.
+        ValueError: a trained drafter or swift without a target, or a checkpoint of another kind.
         TokenizerMismatch: a drafter whose tokenizer fingerprint differs from the target's.
         FileNotFoundError: spec.vocab > 0 for a target without token counts.
         CheckpointMismatch: a checkpoint trained for another target.
@@ -67,7 +68,7 @@ def make_drafter(spec: DrafterSpec, *, target_fingerprint: str, target: str | No
 
 def _self_drafter(spec: DrafterSpec, *, target_fingerprint: str, target: str | None, target_model,
                   seed: int) -> Drafter:
-    """A moa, eagle2 or falcon runtime on the target's frozen parts (see make_drafter)."""
+    """A moa, eagle2, falcon or tokenswift runtime on the target's frozen parts (see make_drafter)."""
     if target is None:
         raise ValueError(f"{spec.kind} needs the target model (--target) for its embedding and LM head")
     path = spec.checkpoint(target)
@@ -89,6 +90,8 @@ def _self_drafter(spec: DrafterSpec, *, target_fingerprint: str, target: str | N
         return EagleRuntime(module, parts, spec.tree, quantization=quantization, seed=seed)
     if spec.kind == "falcon":
         return FalconRuntime(module, parts, spec.tree, quantization=quantization, seed=seed)
+    if spec.kind == "tokenswift":
+        return TokenSwiftRuntime(module, parts, spec.tree, quantization=quantization, seed=seed)
     lsa_id = checkpoint_id(path) if spec.lsa == "server" else ""
     return MoARuntime(module, parts, spec.tree, lsa_placement=spec.lsa, lsa_id=lsa_id, quantization=quantization,
                       seed=seed)

@@ -14,11 +14,13 @@ from safetensors.torch import load_file, save_file
 
 from .eagle import EagleConfig, EagleDrafter
 from .falcon import FalconConfig, FalconDrafter
+from .tokenswift import TokenSwiftConfig, TokenSwiftHeads
 from .moa import MoAConfig, MoADrafter
 
 WEIGHTS = "model.safetensors"
 CONFIG = "drafter.json"
-KINDS = {"moa": (MoAConfig, MoADrafter), "eagle2": (EagleConfig, EagleDrafter), "falcon": (FalconConfig, FalconDrafter)}
+KINDS = {"moa": (MoAConfig, MoADrafter), "eagle2": (EagleConfig, EagleDrafter), "falcon": (FalconConfig, FalconDrafter),
+         "tokenswift": (TokenSwiftConfig, TokenSwiftHeads)}
 
 
 class CheckpointMismatch(ValueError):

@@ -4,12 +4,12 @@ Grammar (`generate --drafter`, `bench --methods`, `serve --lsa`, `offline-eval -
 
     NAME[;lsa=client|server][;quant=fp16|int8|fp8][;vocab=N][;tree=DEPTHxTOPBxNODES|adaptive]
     NAME = auto | none | ngram | draft-model:MODEL[@layers=N] | moa[:tli=N | :PATH] | eagle2[:PATH]
-         | falcon[:PATH] | swift[:ratio=R]
+         | falcon[:PATH] | tokenswift[:PATH] | swift[:ratio=R]
 
-`auto` is the MoA checkpoint shipped for the target, else `ngram`; moa, eagle2 and falcon without a PATH
+`auto` is the MoA checkpoint shipped for the target, else `ngram`; moa, eagle2, falcon and tokenswift without a PATH
 use the checkpoint shipped for the target (shared/drafters/shipped.py); swift skips the share R of
 the target's layers while drafting (training-free, client/drafters/swift.py). The options are MoA's LSA
-placement, the features' quantization (moa, eagle2, falcon), the draft vocabulary (the same: the N most
+placement, the features' quantization (the trained drafters), the draft vocabulary (the same: the N most
 frequent tokens, 0 = full, -1 = the default) and the EAGLE-2 draft tree (`adaptive`: chosen each step
 by the client's network-aware planner, client/tree_planner.py). Options left out take the
 defaults the caller passes (the command's --lsa-placement, --feature-quant, ... flags).
@@ -24,8 +24,8 @@ from splitspec.shared.config import TreeConfig
 
 from .shipped import default_checkpoint, has_shipped_checkpoint
 
-KINDS = ("auto", "none", "ngram", "draft-model", "moa", "eagle2", "falcon", "swift")
-SELF_DRAFTING = ("moa", "eagle2", "falcon")  # drafters built on the target's own frozen parts
+KINDS = ("auto", "none", "ngram", "draft-model", "moa", "eagle2", "falcon", "tokenswift", "swift")
+SELF_DRAFTING = ("moa", "eagle2", "falcon", "tokenswift")  # drafters built on the target's own frozen parts
 LSA_PLACEMENTS = ("client", "server")
 QUANTIZATIONS = ("fp16", "int8", "fp8")
 OPTIONS = ("lsa", "quant", "vocab", "tree")
@@ -37,7 +37,7 @@ class DrafterSpec:
     """One drafter and its options; `parse` reads the grammar above and `str` writes it back.
 
     kind: one of KINDS. model: draft-model's MODEL[@layers=N]. tli: moa's shipped checkpoint
-    moa-tli<N>. path: a moa / eagle2 / falcon checkpoint folder instead of the shipped one. ratio: swift's
+    moa-tli<N>. path: a moa / eagle2 / falcon / tokenswift checkpoint folder instead of the shipped one. ratio: swift's
     share of skipped layers (None = SwiftConfig's default).
 
     Raises:
@@ -58,7 +58,7 @@ class DrafterSpec:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown drafter {self.kind!r}; expected none, ngram, draft-model:MODEL[@layers=N], "
-                             "moa[:tli=N|:PATH], eagle2[:PATH], falcon[:PATH] or swift[:ratio=R]")
+                             "moa[:tli=N|:PATH], eagle2[:PATH], falcon[:PATH], tokenswift[:PATH] or swift[:ratio=R]")
         if (self.kind == "draft-model") != bool(self.model):
             raise ValueError("draft-model needs a model: draft-model:MODEL[@layers=N]" if self.kind == "draft-model"
                              else f"{self.kind} takes no model")
@@ -117,13 +117,13 @@ class DrafterSpec:
         return replace(self, kind="moa" if has_shipped_checkpoint(target) else "ngram")
 
     def checkpoint(self, target: str) -> Path:
-        """The checkpoint folder of a moa, eagle2 or falcon drafter for `target`.
+        """The checkpoint folder of a trained drafter (SELF_DRAFTING) for `target`.
 
         Raises:
             ValueError: not one of those.
         """
         if self.kind not in SELF_DRAFTING:
-            raise ValueError(f"{self.name!r} is not a moa, eagle2 or falcon drafter")
+            raise ValueError(f"{self.name!r} is not a trained drafter ({', '.join(SELF_DRAFTING)})")
         return Path(self.path) if self.path else default_checkpoint(target, self.kind, self.tli or 0)
 
 
