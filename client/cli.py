@@ -78,6 +78,12 @@ def add_client_args(p: argparse.ArgumentParser, chat: bool = False) -> None:
         p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--contextual-penalty", type=float, default=1.0,
+                   help="TokenSwift's contextual penalty (e.g. 1.2; 1 = off): the target's logits of the tokens among "
+                        "the last --penalty-window tokens are divided (positive) or multiplied (negative) by it. This "
+                        "changes the target's distribution on purpose: the output is exact for the penalised "
+                        "target, not the plain one")
+    p.add_argument("--penalty-window", type=int, default=1024, help="tokens the contextual penalty looks back over")
     p.add_argument("--tree-depth", type=int, default=TreeConfig.depth)
     p.add_argument("--tree-top-b", type=int, default=TreeConfig.top_b)
     p.add_argument("--tree-nodes", type=int, default=TreeConfig.max_nodes)
@@ -127,7 +133,8 @@ def client_config(args):
                                 adaptive=args.adaptive_tree)
     return ClientConfig(
         target=args.target, drafter=drafter, server=None if args.local else args.server,
-        sampling=SamplingParams(temperature, top_p, args.top_k, args.seed),
+        sampling=SamplingParams(temperature, top_p, args.top_k, args.seed, args.contextual_penalty,
+                                args.penalty_window),
         offline=OfflinePolicy(enabled=not args.no_offline, on_reconnect=args.on_reconnect),
         device=args.device, dtype=args.dtype, timeout_s=args.timeout, step_timeout_s=args.step_timeout,
         connect_timeout_s=args.connect_timeout, busy_wait_s=args.busy_wait, auth_token_file=args.auth_token_file, tls_ca=args.tls_ca,

@@ -7,7 +7,7 @@ Model work here is synchronous; the gRPC service runs it on a single worker thre
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
@@ -16,7 +16,8 @@ from splitspec.shared import kv
 from splitspec.shared.features import FeatureBatch, FeatureRequest
 from splitspec.shared.drafters.moa import stack_layer_kv
 from splitspec.shared.acceptance import AcceptResult, SparseProbs, accept_greedy, accept_sampling
-from splitspec.shared.sampling import SamplingParams, Stream, make_generator, sample, warp_probs
+from splitspec.shared.sampling import (SamplingParams, Stream, apply_contextual_penalty, make_generator, sample,
+                                      warp_probs)
 from splitspec.shared.tree import ROOT, DraftTree, tree_buffers
 
 
@@ -30,6 +31,7 @@ class TargetSession:
     pending_token: int
     generator: torch.Generator
     step: int = 0  # last verified step
+    history: list[int] = field(default_factory=list)  # contextual penalty: the text's last tokens before the pending one
 
 
 @dataclass(frozen=True)
@@ -80,8 +82,11 @@ class TargetRunner:
         forward_ms = (time.perf_counter() - start) * 1e3
         generator = make_generator(sampling.seed, Stream.TARGET)
         last = out.logits[0, -1]  # [V]
+        history = list(prompt_ids[-sampling.penalty_window:]) if sampling.penalized else []
+        if sampling.penalized:
+            last = apply_contextual_penalty(last[None].float(), [history], sampling.penalty)[0]
         first = int(last.argmax()) if sampling.greedy else sample(warp_probs(last, sampling), generator)
-        session = TargetSession(sampling, features, cache, first, generator)
+        session = TargetSession(sampling, features, cache, first, generator, history=history)
         rows = list(range(len(prompt_ids)))
         return session, self._features(session, out.hidden_states, rows, 0), forward_ms
 
@@ -183,6 +188,12 @@ class TargetRunner:
         """Acceptance over the forward's rows [F + N, V], KV commit, features (verify's tail)."""
         root = len(chain) - 1  # the forward row of the tree's root
         logits = row_logits[root:].float().cpu()  # [N + 1, V]
+        sampling = session.sampling
+        if sampling.penalized:  # row 0 follows the chain, row 1 + n node n's path
+            text = session.history + chain
+            paths = tree_paths(tree)
+            windows = [text[-sampling.penalty_window:]] + [(text + p)[-sampling.penalty_window:] for p in paths]
+            logits = apply_contextual_penalty(logits, windows, sampling.penalty)
         if session.sampling.greedy:
             result = accept_greedy(tree, logits)
         else:
@@ -192,6 +203,8 @@ class TargetRunner:
         features = self._features(session, hidden_states, rows, prefix_len)
         session.pending_token = result.bonus_token
         accepted_tokens = tuple(tree.tokens[n] for n in result.accepted_nodes)
+        if sampling.penalized:
+            session.history = (session.history + chain + list(accepted_tokens))[-sampling.penalty_window:]
         return StepOutput(result, accepted_tokens, features, forward_ms)
 
     def _tree_mask(self, buffers, prefix_len: int):
@@ -220,6 +233,14 @@ class TargetRunner:
             layer_kv = stack_layer_kv([k for k, _ in per_layer], [v for _, v in per_layer])
             batch.lsa = module.memory(layer_kv.to(next(module.parameters()).dtype)).float().cpu()
         return batch
+
+
+def tree_paths(tree: DraftTree) -> list[list[int]]:
+    """The tokens from the root's child down to node n, for each node n [N]."""
+    paths: list[list[int]] = []
+    for token, parent in zip(tree.tokens, tree.parents):
+        paths.append((paths[parent] if parent != ROOT else []) + [token])
+    return paths
 
 
 def _hang_tree(chain: list[int], tree: DraftTree) -> DraftTree:

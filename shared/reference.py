@@ -8,20 +8,41 @@ import torch
 
 
 def target_greedy(model, prompt_ids: Sequence[int], max_new_tokens: int,
-                  eos_token_ids: Sequence[int] | None = None, streamer=None) -> list[int]:
+                  eos_token_ids: Sequence[int] | None = None, streamer=None, *, penalty: float = 1.0,
+                  penalty_window: int = 1024) -> list[int]:
     """The target's greedy continuation of `prompt_ids` [P] with `generate()`.
 
     Args:
         eos_token_ids: stop after the first of these (included in the answer); None disables EOS,
             so exactly `max_new_tokens` tokens come back.
         streamer: a transformers streamer (`put` / `end`), e.g. to time each token's arrival.
+        penalty, penalty_window: TokenSwift's contextual penalty over the last `penalty_window`
+            tokens (shared/sampling.py), as a logits processor: the penalised target's reference.
     Returns:
         The new token ids [N], N <= max_new_tokens.
     """
     stop = dict(eos_token_id=list(eos_token_ids), pad_token_id=eos_token_ids[0]) if eos_token_ids else \
         dict(eos_token_id=None, pad_token_id=0, min_new_tokens=max_new_tokens)
+    processors = None
+    if penalty != 1.0:
+        from transformers import LogitsProcessorList
+
+        processors = LogitsProcessorList([_ContextualPenalty(penalty, penalty_window)])
     out = model.generate(torch.tensor([list(prompt_ids)]), max_new_tokens=max_new_tokens, do_sample=False,
-                         streamer=streamer, **stop)[0, len(prompt_ids):].tolist()
+                         streamer=streamer, logits_processor=processors, **stop)[0, len(prompt_ids):].tolist()
     if eos_token_ids:
         out = out[: next((i + 1 for i, t in enumerate(out) if t in eos_token_ids), len(out))]
     return out
+
+
+class _ContextualPenalty:
+    """A transformers logits processor: `apply_contextual_penalty` over each row's last tokens."""
+
+    def __init__(self, penalty: float, window: int) -> None:
+        self.penalty, self.window = penalty, window
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        from splitspec.shared.sampling import apply_contextual_penalty
+
+        windows = [row[-self.window:].tolist() for row in input_ids]
+        return apply_contextual_penalty(scores.float(), windows, self.penalty)

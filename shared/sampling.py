@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -36,17 +37,23 @@ def as_float32(value: float) -> float:
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature: 0 (or anything below `MIN_TEMPERATURE`, compared in float32) means greedy
-    decoding; top_p in (0, 1]; top_k == 0 disables top-k.
+    decoding; top_p in (0, 1]; top_k == 0 disables top-k. penalty > 1: TokenSwift's contextual
+    penalty over the last `penalty_window` tokens (`apply_contextual_penalty`), applied by the
+    server to the target's logits before acceptance: an opt-in change of the target's
+    distribution, so the output is exact for the penalised target, not the plain one.
 
     Raises:
         ValueError: a temperature that is negative, NaN or not finite in float32; top_p outside
-            (0, 1]; a negative top_k; a seed outside [0, 2**64).
+            (0, 1]; a negative top_k; a seed outside [0, 2**64); a penalty below 1 or not finite;
+            a window below 1.
     """
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    penalty: float = 1.0
+    penalty_window: int = 1024
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and as_float32(self.temperature) < float("inf")):
@@ -57,6 +64,15 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 <= self.seed < 2**64:
             raise ValueError(f"seed must lie in [0, 2**64), got {self.seed}")
+        if not (1.0 <= self.penalty and as_float32(self.penalty) < float("inf")):
+            raise ValueError(f"the contextual penalty must be a finite number >= 1, got {self.penalty}")
+        if self.penalty_window < 1:
+            raise ValueError(f"the penalty window must be >= 1 token, got {self.penalty_window}")
+
+    @property
+    def penalized(self) -> bool:
+        """True when the contextual penalty is on (compared as the float32 the wire carries)."""
+        return as_float32(self.penalty) != 1.0
 
     @property
     def greedy(self) -> bool:
@@ -66,10 +82,34 @@ class SamplingParams:
 
     @classmethod
     def from_pb(cls, msg) -> "SamplingParams":
-        return cls(temperature=msg.temperature, top_p=msg.top_p or 1.0, top_k=msg.top_k, seed=msg.seed)
+        return cls(temperature=msg.temperature, top_p=msg.top_p or 1.0, top_k=msg.top_k, seed=msg.seed,
+                   penalty=msg.contextual_penalty or 1.0, penalty_window=msg.penalty_window or 1024)
 
     def to_pb(self, pb_cls):
-        return pb_cls(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed)
+        return pb_cls(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+                      contextual_penalty=self.penalty if self.penalized else 0.0,
+                      penalty_window=self.penalty_window if self.penalized else 0)
+
+
+def apply_contextual_penalty(logits: torch.Tensor, windows: Sequence[Sequence[int]], penalty: float) -> torch.Tensor:
+    """TokenSwift's contextual penalty (seed 003 §2.4): the repetition penalty of CTRL (Keskar et
+    al. 2019, §4.1) restricted to a window of recent tokens. For row r, every token id in
+    `windows[r]` has its logit divided by `penalty` when positive and multiplied when negative.
+
+    Args:
+        logits: [R, V] float. windows: R token-id sequences (the last W tokens before each row's
+            prediction). penalty: >= 1.
+    Returns:
+        A penalised copy [R, V].
+    """
+    out = logits.clone()
+    for row, window in enumerate(windows):
+        if not window:
+            continue
+        ids = torch.tensor(sorted(set(window)), dtype=torch.long, device=logits.device)
+        values = out[row, ids]
+        out[row, ids] = torch.where(values > 0, values / penalty, values * penalty)
+    return out
 
 
 def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -88,6 +88,9 @@ def test_bad_open_requests(service):
     _expect(C.INVALID_ARGUMENT, lambda: _open(stub, fp, temperature=-1.0), counter)
     _expect(C.INVALID_ARGUMENT, lambda: _open(stub, fp, temperature=float("nan")), counter)
     _expect(C.INVALID_ARGUMENT, lambda: _open(stub, fp, temperature=1.0, top_p=1.5), counter)
+    _expect(C.INVALID_ARGUMENT, lambda: _open(stub, fp, contextual_penalty=0.5), counter)
+    _expect(C.INVALID_ARGUMENT, lambda: _open(stub, fp, contextual_penalty=1.2, penalty_window=-1), counter)
+    _expect(C.INVALID_ARGUMENT, lambda: _open(stub, fp, contextual_penalty=float("nan")), counter)
     bad_features = pb.OpenSessionRequest(prompt_ids=[1, 2], tokenizer_fingerprint=fp,
                                          features=pb.FeatureSpec(kv_layers=[99]))
     _expect(C.INVALID_ARGUMENT, lambda: stub.OpenSession(bad_features, timeout=10), counter)

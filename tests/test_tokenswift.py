@@ -90,3 +90,37 @@ def test_decoding_with_tokenswift_is_exact(stories, sampling):
 def test_spec_names_tokenswift():
     spec = DrafterSpec.parse("tokenswift;tree=3x2x8")
     assert spec.kind == "tokenswift" and spec.checkpoint("smollm2-135m").name == "tokenswift"
+
+
+@pytest.mark.parametrize("mode", ["local", "split"])
+def test_contextual_penalty_is_exact_for_the_penalised_target(stories, serve, mode):
+    """--contextual-penalty changes the answer (it is meant to) and the speculative output equals
+    the penalised target's own greedy output, with drafts accepted along non-contiguous paths."""
+    from splitspec.client.transport import RemoteVerifier
+
+    model, tokenizer, model_id = stories
+    runner = TargetRunner(model, tokenizer, model_id)
+    verifier = LocalVerifier(runner) if mode == "local" else RemoteVerifier(serve(runner).address)
+    torch.manual_seed(0)
+    heads = TokenSwiftHeads(TokenSwiftConfig.from_target(model.config))
+    prompt = tokenizer("Tom had a big red ball. Tom had a big red ball. Tom had a big red ball. Tom")["input_ids"]
+    sampling = SamplingParams(penalty=1.3, penalty_window=24)
+    reference = reference_greedy(model, prompt, 48)
+    penalised = _penalised_greedy(model, prompt, 48, 1.3, 24)
+    assert penalised != reference
+    runtime = TokenSwiftRuntime(heads, TargetParts(model, 0), TreeConfig(depth=3, top_b=2, max_nodes=10))
+    gen = SpeculativeDecoder(verifier, runtime).generate(prompt, 48, sampling, stop_on_eos=False)
+    assert gen.tokens == penalised
+    assert gen.stats.new_tokens > gen.stats.target_calls
+
+
+def _penalised_greedy(model, prompt, n, penalty, window):
+    from splitspec.shared.reference import target_greedy
+
+    return target_greedy(model, prompt, n, penalty=penalty, penalty_window=window)
+
+
+@pytest.mark.parametrize("bad", [dict(penalty=0.9), dict(penalty=float("inf")), dict(penalty_window=0)])
+def test_bad_penalties_are_refused(bad):
+    with pytest.raises(ValueError, match="penalty"):
+        SamplingParams(**bad)

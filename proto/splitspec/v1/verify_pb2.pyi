@@ -61,16 +61,20 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., quantization: _Optional[_Union[Quantization, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., data: _Optional[bytes] = ..., scales: _Optional[bytes] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "contextual_penalty", "penalty_window")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    CONTEXTUAL_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PENALTY_WINDOW_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    contextual_penalty: float
+    penalty_window: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., contextual_penalty: _Optional[float] = ..., penalty_window: _Optional[int] = ...) -> None: ...
 
 class FeatureSpec(_message.Message):
     __slots__ = ("hidden_layers", "kv_layers", "quantization", "codec", "lsa_id")
