@@ -1,5 +1,5 @@
 """The bench room's commands: `splitspec bench`, `splitspec demo`, `splitspec offline-eval`,
-`splitspec serve-bench` and `splitspec verify-cost`.
+`splitspec serve-bench`, `splitspec verify-cost` and `splitspec long-bench`.
 
 `add_bench_parsers` adds them to the top-level parser (cli/main.py). The models, the loop and the
 plotting and evaluation packages load when a command runs, so that `splitspec --help` stays quick.
@@ -21,6 +21,29 @@ def add_bench_parsers(sub) -> None:
     _add_offline_eval_parser(sub)
     _add_serve_bench_parser(sub)
     _add_verify_cost_parser(sub)
+    _add_long_bench_parser(sub)
+
+
+def cmd_long_bench(args) -> None:
+    from .long_bench import cmd_long_bench as run
+
+    run(args)
+
+
+def _add_long_bench_parser(sub) -> None:
+    from .long_bench import DEFAULT_PROMPT
+
+    p = sub.add_parser("long-bench", help="long answers (TokenSwift's setting): speed-up, tau and distinct-n against "
+                                          "output length, with and without the contextual penalty")
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--drafter", default="tokenswift", help="any drafter spec (shared/drafters/spec.py)")
+    p.add_argument("--lengths", default="1024,2048,4096,7168", help="new tokens per answer, comma-separated")
+    p.add_argument("--penalty", type=float, default=1.2, help="contextual penalty of the second pair of arms (1 = none)")
+    p.add_argument("--penalty-window", type=int, default=1024)
+    p.add_argument("--prompt", default=DEFAULT_PROMPT)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default=None, help="also write the table to this file")
+    p.set_defaults(func=cmd_long_bench)
 
 
 def cmd_bench(args) -> None:
