@@ -335,6 +335,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
 
     from splitspec.shared.models import load_model
 
+    _preload()
     torch.manual_seed(cfg.seed)
     # held-out figures are measured as at run time: the fp32 target on the CPU
     eval_model, tokenizer, model_id = load_model(cfg.target, device="cpu")
@@ -433,6 +434,19 @@ def initialise(cfg: TrainConfig, job: DrafterJob, drafter: torch.nn.Module, targ
     drafter.load_state_dict(module.state_dict())
     training = meta.get("training", {})
     return str(path), int(training.get("tokens_total", training.get("tokens", 0)))
+
+
+def _preload() -> None:
+    """Import now what evaluation imports lazily, so that a run of hours uses the code it started
+    with throughout: a source file edited meanwhile (a checkout being worked in) cannot meet
+    modules already loaded in their older form halfway through."""
+    import importlib
+
+    for name in ("splitspec.client.loop", "splitspec.server.local", "splitspec.server.runner",
+                 "splitspec.client.drafters.eagle", "splitspec.client.drafters.falcon",
+                 "splitspec.client.drafters.moa", "splitspec.client.drafters.tokenswift",
+                 "splitspec.shared.records", "splitspec.shared.drafters.draft_vocab", "splitspec.shared.drafters.shipped"):
+        importlib.import_module(name)
 
 
 def _on_cpu(drafter: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:

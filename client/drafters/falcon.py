@@ -35,6 +35,9 @@ from .base import DraftLimits, Drafter, Proposal, check_contiguous
 from .dynamic_tree import build_tree
 
 
+KEEP_STATES = 64  # slots behind the verified end whose LSTM states and outputs are kept
+
+
 class FalconRuntime(Drafter):
     name = "falcon"
 
@@ -60,6 +63,10 @@ class FalconRuntime(Drafter):
         if kv.cache_length(self.cache) > features.start:  # slots fed predicted features give way
             self._truncate(features.start)
         self.features = torch.cat([self.features, features.hidden[-1].to(self.dtype)])
+        # what a cut or an offline slot may still need; a rollback further back recomputes from slot 0
+        keep_from = self.features.shape[0] - KEEP_STATES
+        self.states = {n: s for n, s in self.states.items() if n == 0 or n >= keep_from}
+        self.outputs = {j: f for j, f in self.outputs.items() if j >= keep_from}
 
     def rollback(self, length: int) -> None:
         self._truncate(min(length - 1, kv.cache_length(self.cache)))
