@@ -43,21 +43,25 @@ class EagleConfig:
         return asdict(self)
 
 
+def decoder_block(config: EagleConfig) -> tuple[LlamaDecoderLayer, LlamaRotaryEmbedding]:
+    """One Llama decoder layer (SDPA attention) and its rotary embedding, shaped by `config`."""
+    block = LlamaConfig(hidden_size=config.hidden_size, num_attention_heads=config.num_heads,
+                        num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim,
+                        intermediate_size=config.intermediate_size, rms_norm_eps=config.rms_norm_eps,
+                        max_position_embeddings=config.max_position_embeddings, num_hidden_layers=1,
+                        vocab_size=config.vocab_size,
+                        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta})
+    block._attn_implementation = "sdpa"
+    return LlamaDecoderLayer(block, layer_idx=0), LlamaRotaryEmbedding(block)
+
+
 class EagleDrafter(nn.Module):
     def __init__(self, config: EagleConfig) -> None:
         super().__init__()
         self.config = config
-        block = LlamaConfig(hidden_size=config.hidden_size, num_attention_heads=config.num_heads,
-                            num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim,
-                            intermediate_size=config.intermediate_size, rms_norm_eps=config.rms_norm_eps,
-                            max_position_embeddings=config.max_position_embeddings, num_hidden_layers=1,
-                            vocab_size=config.vocab_size,
-                            rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta})
-        block._attn_implementation = "sdpa"
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=True)
-        self.layer = LlamaDecoderLayer(block, layer_idx=0)
+        self.layer, self.rotary = decoder_block(config)
         self.layer.input_layernorm = nn.Identity()  # the fused input is not normalised (EAGLE §3)
-        self.rotary = LlamaRotaryEmbedding(block)
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                 cache=None) -> torch.Tensor:

@@ -16,42 +16,21 @@ Glancing Distillation (train/batched.py, `falcon_loss_batch`); drafts the custom
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+from .eagle import EagleConfig, decoder_block
 
 K = 2  # tokens drafted per forward (the paper's k)
 
 
 @dataclass(frozen=True)
-class FalconConfig:
-    vocab_size: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
+class FalconConfig(EagleConfig):
+    """EAGLE's decoder-block shape (`from_target` included) plus the LSTM's depth."""
+
     lstm_layers: int = 1
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 8192
-
-    @classmethod
-    def from_target(cls, config, intermediate_ratio: float = 2.0) -> "FalconConfig":
-        heads = config.num_attention_heads
-        rope = getattr(config, "rope_parameters", None) or {}
-        return cls(vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_heads=heads,
-                   num_kv_heads=config.num_key_value_heads,
-                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-                   intermediate_size=int(config.hidden_size * intermediate_ratio), rms_norm_eps=config.rms_norm_eps,
-                   rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
-                   max_position_embeddings=config.max_position_embeddings)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 LSTMState = tuple[torch.Tensor, torch.Tensor]  # (h, c), each [lstm_layers, B, E]
@@ -61,17 +40,9 @@ class FalconDrafter(nn.Module):
     def __init__(self, config: FalconConfig) -> None:
         super().__init__()
         self.config = config
-        block = LlamaConfig(hidden_size=config.hidden_size, num_attention_heads=config.num_heads,
-                            num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim,
-                            intermediate_size=config.intermediate_size, rms_norm_eps=config.rms_norm_eps,
-                            max_position_embeddings=config.max_position_embeddings, num_hidden_layers=1,
-                            vocab_size=config.vocab_size,
-                            rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta})
-        block._attn_implementation = "sdpa"
         self.lstm = nn.LSTM(2 * config.hidden_size, config.hidden_size, num_layers=config.lstm_layers,
                             batch_first=True)
-        self.layer = LlamaDecoderLayer(block, layer_idx=0)
-        self.rotary = LlamaRotaryEmbedding(block)
+        self.layer, self.rotary = decoder_block(config)
 
     def mix(self, embeds: torch.Tensor, features: torch.Tensor,
             state: LSTMState | None = None) -> tuple[torch.Tensor, LSTMState]:
