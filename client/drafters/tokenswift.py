@@ -15,8 +15,9 @@ Departures from the paper, each because split decoding makes it moot or unsafe:
   so the client needs no target weights and the partial KV cache has nothing to speed up;
 - n-gram chains join greedy trees only: under sampling a draft must be drawn from the rows it is
   judged against (shared/acceptance.py), which reused n-grams are not;
-- the contextual penalty (§2.4) is not built: it changes the target's distribution, which means
-  the server's acceptance, not the drafter.
+- the contextual penalty (§2.4) is not the drafter's: it changes the target's distribution, so the
+  server applies it before acceptance (`SamplingParams.penalty`, `--contextual-penalty`) and the
+  output is exact for the penalised target; the heads draft as they were trained.
 Without features for the position before the pending token (offline or private tokens) the
 heads cannot draft; only n-gram chains are proposed then.
 """
