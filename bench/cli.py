@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from splitspec.shared.models import DEFAULT_TARGET
 
-DEFAULT_METHODS = "none,ngram,draft-model:smollm2-135m@layers=8,eagle2,moa,moa:tli=1"
+DEFAULT_METHODS = "none,ngram,draft-model:smollm2-135m@layers=8,eagle2,moa,moa:tli=1,falcon,tokenswift,swift"
 DEFAULT_LOCAL_METHODS = "moa"
-DEFAULT_DRAFTERS = "moa,moa:tli=1,moa:tli=3,eagle2,draft-model:smollm2-135m@layers=8"  # offline-eval
+DEFAULT_DRAFTERS = "moa,moa:tli=1,eagle2,draft-model:smollm2-135m@layers=8"  # offline-eval
 BACKENDS = ("relay",)  # link emulation backends bench can drive
 
 

@@ -147,3 +147,14 @@ def test_chat_samples_by_default_and_is_greedy_on_request(stories_path, tmp_path
     assert chat_sampling_defaults(str(tmp_path)) == (0.6, 0.95)
     (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False}))
     assert chat_sampling_defaults(str(tmp_path))[0] == 0.0
+
+
+def test_missing_shipped_checkpoint_names_what_ships_and_how_to_train(capsys):
+    from splitspec.shared.drafters.spec import DrafterSpec
+
+    with pytest.raises(FileNotFoundError) as err:
+        DrafterSpec.parse("moa:tli=7").checkpoint("smollm2-135m")
+    message = str(err.value)
+    assert "moa-tli0" in message and "eagle2" in message and "moa-tli7" not in message
+    assert "splitspec train --drafter moa:tli=7 --target smollm2-135m" in message
+    assert DrafterSpec.parse("moa:/some/dir").checkpoint("smollm2-135m").as_posix() == "/some/dir"

@@ -1,7 +1,8 @@
 """Where the drafter checkpoints shipped with splitspec live: client/checkpoints/<target>/.
 
-Per target folder: `moa-tli<N>/` and `eagle2/` (checkpoint folders, shared/drafters/checkpoint.py)
-and `token_counts.safetensors` (the draft vocabulary's counts, shared/drafters/draft_vocab.py).
+Per target folder: `moa-tli<N>/`, `eagle2/`, `falcon/` and `tokenswift/` (checkpoint folders,
+shared/drafters/checkpoint.py) and `token_counts.safetensors` (the draft vocabulary's counts,
+shared/drafters/draft_vocab.py).
 They are package data of `splitspec.client`; they are found here by path, beside this package in
 the installed `splitspec` tree (or the checkout), so that shared/ imports no room.
 """
@@ -20,7 +21,7 @@ def target_folder(target: str) -> Path:
 
 
 def default_checkpoint(target: str, kind: str, tli: int = 0) -> Path:
-    """client/checkpoints/<target alias or name>/<moa-tliN | eagle2>."""
+    """client/checkpoints/<target alias or name>/<moa-tliN | eagle2 | falcon | tokenswift>."""
     return target_folder(target) / (f"moa-tli{tli}" if kind == "moa" else kind)
 
 

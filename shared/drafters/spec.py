@@ -121,10 +121,21 @@ class DrafterSpec:
 
         Raises:
             ValueError: not one of those.
+            FileNotFoundError: no path was given and none ships for `target` (which ones do is
+                listed, with how to train the missing one).
         """
         if self.kind not in SELF_DRAFTING:
             raise ValueError(f"{self.name!r} is not a trained drafter ({', '.join(SELF_DRAFTING)})")
-        return Path(self.path) if self.path else default_checkpoint(target, self.kind, self.tli or 0)
+        if self.path:
+            return Path(self.path)
+        path = default_checkpoint(target, self.kind, self.tli or 0)
+        if not (path / "drafter.json").exists():
+            shipped = sorted(p.parent.name for p in path.parent.glob("*/drafter.json")) or ["none"]
+            raise FileNotFoundError(
+                f"no {self.name} checkpoint ships for {target} (shipped: {', '.join(shipped)}); train one with "
+                f"`splitspec train --drafter {self.name} --target {target} --out DIR` and name it "
+                f"{self.kind}:DIR")
+        return path
 
 
 def _name_fields(name: str) -> dict:
