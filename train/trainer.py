@@ -433,7 +433,11 @@ def initialise(cfg: TrainConfig, job: DrafterJob, drafter: torch.nn.Module, targ
         raise ValueError(f"{path} holds a {kind} (tli={tli}) drafter, not {job.name}")
     drafter.load_state_dict(module.state_dict())
     training = meta.get("training", {})
-    return str(path), int(training.get("tokens_total", training.get("tokens", 0)))
+    tokens = training.get("tokens_total", training.get("tokens"))
+    if tokens is None:
+        log.warning("%s records no training token count (an older card): %s's counts cover this run only",
+                    path, job.name)
+    return str(path), int(tokens or 0)
 
 
 def _preload() -> None:
@@ -553,7 +557,8 @@ def model_card(cfg: TrainConfig, t: Trainee, identity: TargetIdentity, state: di
         f"(warm-up {cfg.warmup_steps} steps, cosine), seed {cfg.seed}"
         + (f"; first {cfg.skip_tokens:,} tokens of the shuffled data skipped" if cfg.skip_tokens else ""),
         *([f"- started from {t.init_from} ({t.init_tokens:,} tokens): {t.init_tokens + state['tokens']:,} training "
-           "tokens in all"] if t.init_from else []),
+           "tokens in all" if t.init_tokens else f"- started from {t.init_from} (its token count is not recorded)"]
+          if t.init_from else []),
         f"- loss: 0.1 x forward KL(target || drafter)"
         + (f" over the {state['train_vocab']} most frequent tokens" if state.get("train_vocab") else "")
         + " + SmoothL1 on predicted activations"
