@@ -67,9 +67,8 @@ def cmd_long_bench(args) -> None:
                              f"{base_s / seconds:.2f}x | {'-' if tau is None else f'{tau:.2f}'} | "
                              + " | ".join(f"{distinct_n(tokens, n):.3f}" for n in (2, 3, 4))
                              + f" | {'-' if tau is None else gen.tokens == reference} |")
-            print(lines[-1], file=sys.stderr)
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+            print("\n".join(lines[-2:]), file=sys.stderr, flush=True)
+            if args.out:  # rewritten after every pair, so that a long run cut short keeps its rows
+                with open(args.out, "w") as f:
+                    f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
