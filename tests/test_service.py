@@ -21,14 +21,16 @@ LIMITS = ServerLimits(max_tree_nodes=8, max_tree_depth=4, max_prompt_tokens=64, 
 
 
 class Counted:
-    """Counts forward passes of the wrapped model."""
+    """Counts forward passes of the wrapped model; `delay_s` makes each one that much slower."""
 
     def __init__(self, model):
         self.calls = 0
+        self.delay_s = 0.0
         original = model.forward
 
         def forward(*args, **kwargs):
             self.calls += 1
+            time.sleep(self.delay_s)
             return original(*args, **kwargs)
 
         model.forward = forward
@@ -189,9 +191,11 @@ def test_retry_after_client_deadline(service):
     recorded reply and the session goes on in order."""
     stub, counter, fp, _ = service
     sid = _open(stub, fp).session_id
+    counter.delay_s = 0.5  # the forward outlasts the client's deadline however fast the machine is
     with pytest.raises(grpc.RpcError) as err:
-        _verify_with_timeout(stub, sid, 1, 0.0005)
+        _verify_with_timeout(stub, sid, 1, 0.05)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    counter.delay_s = 0.0
     first = _verify(stub, sid, 1)
     assert _verify(stub, sid, 1) == first
     assert _verify(stub, sid, 2).step == 2
