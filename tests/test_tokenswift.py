@@ -16,7 +16,7 @@ from splitspec.shared.drafters.target_parts import TargetParts
 from splitspec.shared.drafters.tokenswift import TokenSwiftConfig, TokenSwiftHeads
 from splitspec.shared.features import FeatureBatch
 from splitspec.shared.sampling import SamplingParams
-from splitspec.shared.tree import ROOT, DraftTree
+from splitspec.shared.tree import DraftTree
 
 from .helpers import reference_greedy
 
@@ -90,23 +90,6 @@ def test_decoding_with_tokenswift_is_exact(stories, sampling):
 def test_spec_names_tokenswift():
     spec = DrafterSpec.parse("tokenswift;tree=3x2x8")
     assert spec.kind == "tokenswift" and spec.checkpoint("smollm2-135m").name == "tokenswift"
-
-
-def test_under_the_penalty_drafts_are_penalised_and_carry_no_ngram_chains(stories):
-    """The heads' logits get the server's penalty over the same window, so a strong penalty keeps
-    the window's tokens out of depth 1; reused n-grams (repetition) are not proposed."""
-    model, tokenizer, _ = stories
-    torch.manual_seed(0)
-    heads = TokenSwiftHeads(TokenSwiftConfig.from_target(model.config))
-    runtime = TokenSwiftRuntime(heads, TargetParts(model, 0), TreeConfig(depth=3, top_b=4, max_nodes=8), ngram=3)
-    context = [7, 8, 9, 7, 8, 10, 7]
-    runtime.reset(context[:-1], FeatureBatch(0, 6, {-1: torch.randn(6, model.config.hidden_size)}))
-    limits = DraftLimits(max_depth=3, max_nodes=8)
-    plain = runtime.propose(context, limits, SamplingParams()).tree
-    penalised = runtime.propose(context, limits, SamplingParams(penalty=1e4, penalty_window=4)).tree
-    assert {(8, 9), (8, 10)} <= _chains(plain) and not {(8, 9), (8, 10)} & _chains(penalised)
-    depth1 = {tok for tok, parent in zip(penalised.tokens, penalised.parents) if parent == ROOT}
-    assert depth1 and not depth1 & set(context[-4:])
 
 
 @pytest.mark.parametrize("mode", ["local", "split"])

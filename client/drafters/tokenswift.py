@@ -15,13 +15,9 @@ Departures from the paper, each because split decoding makes it moot or unsafe:
   so the client needs no target weights and the partial KV cache has nothing to speed up;
 - n-gram chains join greedy trees only: under sampling a draft must be drawn from the rows it is
   judged against (shared/acceptance.py), which reused n-grams are not;
-- the contextual penalty (§2.4) changes the target's distribution, so the server applies it
-  before acceptance (`SamplingParams.penalty`, `--contextual-penalty`) and the output is exact for
-  the penalised target. The heads, trained on the plain target, would keep drafting the
-  continuation the penalty now forbids, so under a penalty the client penalises their logits the
-  same way over the same window of the text so far (the tokens drafted above a node are left out
-  of its window: an approximation that only costs acceptance), and proposes no n-gram chains
-  (repeating the text is what the penalty discourages).
+- the contextual penalty (§2.4) is not the drafter's: it changes the target's distribution, so the
+  server applies it before acceptance (`SamplingParams.penalty`, `--contextual-penalty`) and the
+  output is exact for the penalised target; the heads draft as they were trained.
 Without features for the position before the pending token (offline or private tokens) the
 heads cannot draft; only n-gram chains are proposed then.
 """
@@ -37,7 +33,7 @@ from splitspec.shared.config import TreeConfig
 from splitspec.shared.drafters.target_parts import TargetParts
 from splitspec.shared.drafters.tokenswift import TokenSwiftHeads
 from splitspec.shared.features import FeatureBatch, FeatureRequest
-from splitspec.shared.sampling import SamplingParams, Stream, apply_contextual_penalty, make_generator
+from splitspec.shared.sampling import SamplingParams, Stream, make_generator
 from splitspec.shared.tree import ROOT, DraftTree
 from splitspec.v1 import verify_pb2 as pb
 
@@ -116,15 +112,12 @@ class TokenSwiftRuntime(Drafter):
         max_nodes = min(self.tree.max_nodes, limits.max_nodes)
         self.index.update(context)
         chains = []
-        if sampling.greedy and not sampling.penalized:
+        if sampling.greedy:
             chains = [c[: limits.max_depth] for c in self.index.continuations(context[-1], self.ngram_top_k)]
         chain_nodes = len(merge_chains(DraftTree.empty(), chains, max_nodes).tokens)
         if self.features.shape[0] < pending or pending < 1:  # no h_0: n-gram chains only
             return Proposal(merge_chains(DraftTree.empty(), chains, max_nodes))
         logits = self.parts.head(self.module(self.features[pending - 1])).float()  # [gamma, V]: depths 1..gamma
-        if sampling.penalized:  # draft what the server's penalised target would pick
-            window = list(context[-sampling.penalty_window:])
-            logits = apply_contextual_penalty(logits, [window] * len(logits), sampling.penalty)
         tree = replace(self.tree, depth=min(self.tree.depth, len(logits)),
                        max_nodes=max(1, max_nodes - min(chain_nodes, max_nodes // 2)))
 
