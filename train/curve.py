@@ -10,7 +10,11 @@ METRICS = (("tau", "held-out tau (depth-5 top-4 24-node tree)"), ("heldout_top1"
 
 
 def read_histories(dirs: list[Path]) -> dict[str, list[dict]]:
-    """{drafter name: records} from every `history.jsonl` under `dirs` (a run dir or a drafter dir)."""
+    """{"drafter (run)": records} from every `history.jsonl` under `dirs` (a run dir or a drafter dir).
+
+    A record needs `tokens` (or `tokens_total`, which counts the tokens an `--init` checkpoint had
+    already seen), `tau` and `heldout_top1`; `memory_gain`, `heldout_loss` and `elapsed_s` are
+    shown where present (a curve transcribed from an older run's notes may lack them)."""
     out = {}
     for d in dirs:
         for path in sorted(Path(d).rglob("history.jsonl")):
@@ -27,8 +31,10 @@ def table(histories: dict[str, list[dict]]) -> str:
     for name, records in histories.items():
         for r in records:
             gain = f"{r['memory_gain']:+.3f}" if "memory_gain" in r else "-"
-            lines.append(f"| {name} | {r.get('tokens_total', r['tokens']):,} | {r.get('elapsed_s', 0) / 60:.0f} | {r['tau']:.2f} | "
-                         f"{r['heldout_top1']:.3f} | {gain} | {r['heldout_loss']:.3f} |")
+            minutes = f"{r['elapsed_s'] / 60:.0f}" if "elapsed_s" in r else "-"
+            loss = f"{r['heldout_loss']:.3f}" if "heldout_loss" in r else "-"
+            lines.append(f"| {name} | {r.get('tokens_total', r['tokens']):,} | {minutes} | {r['tau']:.2f} | "
+                         f"{r['heldout_top1']:.3f} | {gain} | {loss} |")
     return "\n".join(lines)
 
 
@@ -38,12 +44,19 @@ def plot(histories: dict[str, list[dict]], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # One colour per drafter in every panel, one marker per run: a continuation run reads as the
+    # same drafter's curve going on.
+    drafters = sorted({name.split(" (")[0] for name in histories})
+    runs = sorted({name.split(" (")[-1] for name in histories})
+    colours = {d: f"C{i}" for i, d in enumerate(drafters)}
+    markers = {r: "os^Dv<>p*h"[i % 10] for i, r in enumerate(runs)}
     fig, axes = plt.subplots(1, len(METRICS), figsize=(5 * len(METRICS), 4))
     for ax, (key, title) in zip(axes, METRICS):
         for name, records in histories.items():
             points = [(r.get("tokens_total", r["tokens"]), r[key]) for r in records if key in r]
             if points:
-                ax.plot(*zip(*points), marker="o", label=name)
+                ax.plot(*zip(*points), color=colours[name.split(" (")[0]], marker=markers[name.split(" (")[-1]],
+                        label=name)
         ax.set_xscale("log")
         ax.set_xlabel("training tokens")
         ax.set_title(title, fontsize=9)
