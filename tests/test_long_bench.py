@@ -33,3 +33,26 @@ def test_long_bench_refuses_lengths_past_the_context(stories_path):
                            threads=0, prompt="Tom", out="")
     with pytest.raises(SystemExit, match="at most"):
         cmd_long_bench(args)
+
+
+def test_long_bench_cut_short_keeps_the_pairs_it_measured(stories_path, tmp_path, monkeypatch):
+    """A run that dies in its second pair leaves the first pair's rows in --out."""
+    from splitspec.shared import reference
+
+    calls = []
+    original = reference.target_greedy
+
+    def dies_on_the_second_pair(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(reference, "target_greedy", dies_on_the_second_pair)
+    out = tmp_path / "long.md"
+    args = SimpleNamespace(target=str(stories_path), drafter="ngram", lengths="24,40", penalty=1.2, penalty_window=16,
+                           threads=0, prompt="Tom had a big red ball.", out=str(out))
+    with pytest.raises(KeyboardInterrupt):
+        cmd_long_bench(args)
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| 24 | 1 |")]
+    assert [r.split(" | ")[2] for r in rows] == ["generate()", "ngram"]
