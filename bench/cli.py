@@ -94,6 +94,8 @@ def _add_verify_cost_parser(sub) -> None:
     p.add_argument("--prompts", type=int, default=6, help="Spec-Bench prompts of the greedy-agreement check")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--spec-bench", default=None, help="path to Spec-Bench question.jsonl")
+    p.add_argument("--compile", action="store_true",
+                   help="also time the forward through torch.compile beside eager (minutes of compiling)")
     p.set_defaults(func=cmd_verify_cost)
 
 

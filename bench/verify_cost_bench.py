@@ -9,7 +9,10 @@ Measured here, in one process:
   dtype, median of `--repeats`;
 - how often greedy decoding through the verifier differs from the same dtype's plain
   `generate()` (bf16 rounding depends on matmul shapes, which a tree forward changes): answers to
-  `--prompts` Spec-Bench prompts with the ngram drafter, and where they first differ.
+  `--prompts` Spec-Bench prompts with the ngram drafter, and where they first differ;
+- with `--compile`, the same forwards through `torch.compile(model.forward, dynamic=True)` (the
+  runner's cache class and mask, inductor's default mode), timed beside eager on the same inputs
+  once compiled, with the compile time and the largest logit difference from eager.
 """
 from __future__ import annotations
 
@@ -42,42 +45,60 @@ def copy_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
     return 2 * src.numel() * 4 / best / 1e9
 
 
-def step_ms(model, context: int, positions: int, repeats: int) -> float:
-    """Median ms of a verify forward of `positions` rows (a chain tree) after `context` tokens."""
+def step_ms(model, context: int, positions: int, repeats: int, forward=None) -> tuple[float, torch.Tensor]:
+    """Median ms of a verify forward of `positions` rows (a chain tree) after `context` tokens.
+
+    `forward` replaces `model.forward` (e.g. a compiled one). The token ids are the same for every
+    call with the same arguments, so two forwards' logits [positions, V] can be compared.
+    """
+    forward = forward or model.forward
     vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(context * 1000 + positions)
     prefix = DynamicCache()
     with torch.inference_mode():
-        model(input_ids=torch.randint(0, vocab, (1, context)), past_key_values=prefix, use_cache=True)
+        model(input_ids=torch.randint(0, vocab, (1, context), generator=generator), past_key_values=prefix,
+              use_cache=True)
         buffers = tree_buffers(DraftTree.chain(list(range(positions - 1))).parents)
         mask = buffers.attention_mask(context, next(model.parameters()).dtype)
         position_ids = buffers.position_ids(context)
-        ids = torch.randint(0, vocab, (1, positions))
+        ids = torch.randint(0, vocab, (1, positions), generator=generator)
         times = []
         for _ in range(repeats + 1):
             cache = DynamicCache()
             for i, layer in enumerate(prefix.layers):
                 cache.update(layer.keys.clone(), layer.values.clone(), i)
             start = time.perf_counter()
-            model(input_ids=ids, past_key_values=cache, use_cache=True, attention_mask=mask, position_ids=position_ids)
+            out = forward(input_ids=ids, past_key_values=cache, use_cache=True, attention_mask=mask,
+                          position_ids=position_ids)
             times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times[1:])
+    return statistics.median(times[1:]), out.logits[0].float()
 
 
-def greedy_mismatches(model, tokenizer, prompts: list[list[int]], new_tokens: int) -> list[int | None]:
-    """Per prompt: the first answer position where the verifier's greedy output differs from the
-    same model's `generate()`, or None."""
+def greedy_mismatches(model, tokenizer, prompts: list[list[int]], new_tokens: int) -> tuple[list[int | None], float]:
+    """Per prompt: the first answer position where the verifier's greedy output (ngram drafter)
+    differs from the same model's `generate()`, or None; and that speculative decoding's tokens/s
+    over all prompts."""
     from splitspec.client.drafters import NgramDrafter
     from splitspec.client.loop import SpeculativeDecoder
     from splitspec.server.local import LocalVerifier
     from splitspec.server.runner import TargetRunner
 
     decoder = SpeculativeDecoder(LocalVerifier(TargetRunner(model, tokenizer, "target")), NgramDrafter())
-    out = []
+    out, tokens, seconds = [], 0, 0.0
     for prompt in prompts:
         ref = target_greedy(model, prompt, new_tokens)
+        start = time.perf_counter()
         got = decoder.generate(prompt, new_tokens, stop_on_eos=False).tokens
+        seconds += time.perf_counter() - start
+        tokens += len(got)
         out.append(next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None))
-    return out
+    return out, tokens / seconds
+
+
+def _differ(diffs: list[int | None]) -> str:
+    differ = [d for d in diffs if d is not None]
+    where = f" (first at token {', '.join(map(str, differ))})" if differ else ""
+    return f"{len(differ)} of {len(diffs)}{where}"
 
 
 def cmd_verify_cost(args) -> None:
@@ -90,22 +111,53 @@ def cmd_verify_cost(args) -> None:
     lines = [f"target {model_id}, {args.threads} torch threads, context {args.context} tokens, median of "
              f"{args.repeats}; copy bandwidth {bandwidth:.1f} GB/s (read + write)", "",
              "| dtype | weights MB | floor ms | " + " | ".join(f"{n} pos ms" for n in POSITIONS)
-             + " | 1 pos / floor | 25 pos / 1 pos | greedy answers differing from generate() |",
-             "|---|---|---|" + "---|" * len(POSITIONS) + "---|---|---|"]
-    goals = []
+             + " | 1 pos / floor | 25 pos / 1 pos | greedy answers differing from generate() | ngram decoding tok/s |",
+             "|---|---|---|" + "---|" * len(POSITIONS) + "---|---|---|---|"]
+    goals, compiled_rows = [], []
     for name, model in dtypes.items():
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         floor = weights / (bandwidth / 2 * 1e9) * 1e3  # read once at the copy's read rate
-        times = {n: step_ms(model, args.context, n, args.repeats) for n in POSITIONS}
+        timed = {n: step_ms(model, args.context, n, args.repeats) for n in POSITIONS}
+        times = {n: t for n, (t, _) in timed.items()}
         print(f"{name}: " + ", ".join(f"{n} pos {t:.1f} ms" for n, t in times.items()), file=sys.stderr)
-        diffs = greedy_mismatches(model, tokenizer, prompts, args.new_tokens)
-        differ = [d for d in diffs if d is not None]
-        where = f" (first at token {', '.join(map(str, differ))})" if differ else ""
+        diffs, tok_s = greedy_mismatches(model, tokenizer, prompts, args.new_tokens)
         lines.append(f"| {name} | {weights / 1e6:.0f} | {floor:.1f} | "
                      + " | ".join(f"{times[n]:.1f}" for n in POSITIONS)
-                     + f" | {times[1] / floor:.2f}x | {times[25] / times[1]:.2f}x | {len(differ)} of {len(diffs)}"
-                     f"{where} |")
+                     + f" | {times[1] / floor:.2f}x | {times[25] / times[1]:.2f}x | {_differ(diffs)} | {tok_s:.1f} |")
         goals.append(f"- {name}: 25-position verify / one-position step = {times[25] / times[1]:.2f}x (goal <= 1.3x: "
                      f"{'met' if times[25] / times[1] <= 1.3 else 'missed'}); one-position step / floor = "
                      f"{times[1] / floor:.2f}x (goal <= 2x: {'met' if times[1] / floor <= 2 else 'missed'})")
+        if args.compile:
+            row, ratio = _compiled_row(name, model, args, timed)
+            compiled_rows.append(row)
+            goals.append(f"- {name} compiled: 25-position verify / one-position step = {ratio:.2f}x (goal <= 1.3x: "
+                         f"{'met' if ratio <= 1.3 else 'missed'})")
+    if args.compile:
+        lines += ["", "torch.compile (inductor, dynamic shapes) beside eager, same inputs:", "",
+                  "| dtype | compile + first calls s | " + " | ".join(f"{n} pos ms (eager)" for n in POSITIONS)
+                  + " | 25 pos / 1 pos | largest logit difference from eager |",
+                  "|---|---|" + "---|" * len(POSITIONS) + "---|---|", *compiled_rows]
     print("\n".join(lines + ["", "Goals (issue 11):", *goals]))
+
+
+def _compiled_row(name: str, model, args, eager: dict[int, tuple[float, torch.Tensor]]) -> tuple[str, float]:
+    """One table row: the compiled forward's step times beside eager's (same inputs) and its
+    largest logit difference from eager; and its 25-position / one-position ratio.
+
+    Only the steady state of a forward already compiled for these shapes is timed. Serving one
+    would also pay recompiles: Dynamo specialises sizes 0 and 1 (tree width, batch) and guards on
+    the cache tensors' strides (which `kv.keep_rows` changes) and on hidden-state output, each a
+    compile of tens of seconds on a 2-core CPU (README, "The cost of one verify step").
+    """
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # fp32 and bf16 share forward's code
+    compiled = torch.compile(model.forward, dynamic=True)
+    start = time.perf_counter()
+    for n in POSITIONS:  # the first calls compile (and recompile once shapes turn dynamic)
+        step_ms(model, args.context, n, 1, compiled)
+    compile_s = time.perf_counter() - start
+    timed = {n: step_ms(model, args.context, n, args.repeats, compiled) for n in POSITIONS}
+    diff = max((timed[n][1] - eager[n][1]).abs().max().item() for n in POSITIONS)
+    print(f"{name} compiled: " + ", ".join(f"{n} pos {t:.1f} ms" for n, (t, _) in timed.items()), file=sys.stderr)
+    ratio = timed[25][0] / timed[1][0]
+    return (f"| {name} | {compile_s:.0f} | " + " | ".join(f"{timed[n][0]:.1f} ({eager[n][0]:.1f})" for n in POSITIONS)
+            + f" | {ratio:.2f}x | {diff:.2g} |"), ratio

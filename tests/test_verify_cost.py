@@ -1,0 +1,41 @@
+"""`splitspec verify-cost`'s timing harness times the forward it claims to: the timed verify step
+(a chain tree after a prefix, through the runner's mask and position ids) gives the logits of one
+plain causal forward over prefix + step, and a substitute forward (the compiled one) is what runs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitspec.bench.verify_cost_bench import step_ms
+
+from .test_model_families import _model
+
+
+@pytest.mark.parametrize("positions", [1, 5])
+def test_timed_step_scores_what_a_plain_forward_scores(positions):
+    model = _model("qwen2")
+    context = 12
+    ms, logits = step_ms(model, context, positions, repeats=2)
+    assert ms > 0 and logits.shape == (positions, model.config.vocab_size)
+    generator = torch.Generator().manual_seed(context * 1000 + positions)  # step_ms's inputs
+    vocab = model.config.vocab_size
+    prefix = torch.randint(0, vocab, (1, context), generator=generator)
+    ids = torch.randint(0, vocab, (1, positions), generator=generator)
+    with torch.inference_mode():
+        full = model(input_ids=torch.cat([prefix, ids], dim=1)).logits[0, context:].float()
+    torch.testing.assert_close(logits, full, atol=1e-4, rtol=1e-4)
+
+
+def test_substitute_forward_is_the_one_timed():
+    model = _model("qwen2")
+    calls = []
+
+    def forward(**kwargs):
+        calls.append(kwargs["input_ids"].shape[1])
+        return model.forward(**kwargs)
+
+    _, eager = step_ms(model, 8, 5, repeats=3)
+    _, wrapped = step_ms(model, 8, 5, repeats=3, forward=forward)
+    assert calls == [5] * 4  # repeats + the discarded first call, all through the substitute
+    torch.testing.assert_close(wrapped, eager)
+
