@@ -56,7 +56,7 @@ def step_ms(model, context: int, positions: int, repeats: int, forward=None) -> 
     generator = torch.Generator().manual_seed(context * 1000 + positions)
     prefix = DynamicCache()
     with torch.inference_mode():
-        model(input_ids=torch.randint(0, vocab, (1, context), generator=generator), past_key_values=prefix,
+        model(input_ids=torch.randint(0, vocab, (1, context), generator=generator), cache=prefix,
               use_cache=True)
         buffers = tree_buffers(DraftTree.chain(list(range(positions - 1))).parents)
         mask = buffers.attention_mask(context, next(model.parameters()).dtype)
@@ -68,7 +68,7 @@ def step_ms(model, context: int, positions: int, repeats: int, forward=None) -> 
             for i, layer in enumerate(prefix.layers):
                 cache.update(layer.keys.clone(), layer.values.clone(), i)
             start = time.perf_counter()
-            out = forward(input_ids=ids, past_key_values=cache, use_cache=True, attention_mask=mask,
+            out = forward(input_ids=ids, cache=cache, use_cache=True, attention_mask=mask,
                           position_ids=position_ids)
             times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times[1:]), out.logits[0].float()

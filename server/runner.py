@@ -77,7 +77,7 @@ class TargetRunner:
         cache = kv.new_cache(self.config)
         ids = torch.tensor([prompt_ids], device=self.device)
         start = time.perf_counter()
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True,
+        out = self.model(input_ids=ids, cache=cache, use_cache=True,
                          output_hidden_states=bool(features.hidden_layers), logits_to_keep=1)
         forward_ms = (time.perf_counter() - start) * 1e3
         generator = make_generator(sampling.seed, Stream.TARGET)
@@ -106,7 +106,7 @@ class TargetRunner:
         buffers = tree_buffers(full.parents)
         ids = torch.tensor([[chain[0], *full.tokens]], device=self.device)  # [1, F + N]
         start = time.perf_counter()
-        out = self.model(input_ids=ids, past_key_values=session.cache, use_cache=True,
+        out = self.model(input_ids=ids, cache=session.cache, use_cache=True,
                          attention_mask=self._tree_mask(buffers, prefix_len),
                          position_ids=buffers.position_ids(prefix_len).to(self.device),
                          output_hidden_states=bool(session.features.hidden_layers))
@@ -165,7 +165,7 @@ class TargetRunner:
         mask = masks if self.per_layer_type else next(iter(masks.values()))
         hidden = any(session.features.hidden_layers for session, *_ in items)
         start = time.perf_counter()
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, attention_mask=mask,
+        out = self.model(input_ids=ids, cache=cache, use_cache=True, attention_mask=mask,
                          position_ids=positions, output_hidden_states=hidden)
         forward_ms = (time.perf_counter() - start) * 1e3
         results: list[StepOutput | Exception] = []

@@ -236,7 +236,7 @@ def test_kv_budget_and_bytes_per_token(stories):
     model, _, _ = stories
     per_token = kv_bytes_per_token(model.config, torch.float32)
     cache = kv.new_cache(model.config)
-    model(input_ids=torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), past_key_values=cache, use_cache=True)
+    model(input_ids=torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), cache=cache, use_cache=True)
     assert kv.cache_bytes(cache) == 7 * per_token  # the estimate is exact for a prefilled cache
 
     held = [0]

@@ -31,7 +31,7 @@ def test_tree_forward_equals_paths(fixture, request):
     buffers = tree_buffers(TREE.parents)
     ids = torch.tensor([[session.pending_token, *TREE.tokens]])
     with torch.inference_mode():
-        out = model(input_ids=ids, past_key_values=session.cache, use_cache=True,
+        out = model(input_ids=ids, cache=session.cache, use_cache=True,
                     attention_mask=buffers.attention_mask(prefix, torch.float32),
                     position_ids=buffers.position_ids(prefix))
     tree_logits = out.logits[0].float()
@@ -59,7 +59,7 @@ def test_kv_commit_equals_recompute(fixture, request):
     assert kv.cache_length(cache) == len(committed)
     fresh = kv.new_cache(model.config)
     with torch.inference_mode():
-        ref = model(input_ids=torch.tensor([committed]), past_key_values=fresh, use_cache=True,
+        ref = model(input_ids=torch.tensor([committed]), cache=fresh, use_cache=True,
                     output_hidden_states=True)
     for layer in range(model.config.num_hidden_layers):
         got_k, got_v = kv.layer_kv(cache, layer, 0, len(committed))

@@ -113,7 +113,7 @@ def run_target_batch(model, batch: Batch, layer_inputs: tuple[int, ...] = (),
     """One target forward over the batch, keeping every layer's K/V, the final state, the inputs
     of `layer_inputs` and logits [N, V'] at trained positions only."""
     cache = DynamicCache(config=model.config)
-    out = model.get_decoder()(input_ids=batch.input_ids, past_key_values=cache, use_cache=True,
+    out = model.get_decoder()(input_ids=batch.input_ids, cache=cache, use_cache=True,
                               output_hidden_states=True)
     final = out.last_hidden_state  # [B, T, E], after the final norm
     rows = batch.trained.flatten().nonzero().flatten()

@@ -50,7 +50,7 @@ def run_target(model, input_ids: torch.Tensor, loss_mask: list[int] | None = Non
     trained = (torch.tensor(loss_mask[1:] + [0]).nonzero().flatten() if loss_mask is not None
                else torch.arange(T))
     cache = DynamicCache(config=model.config)
-    out = model(input_ids=input_ids[None], past_key_values=cache, use_cache=True, output_hidden_states=True,
+    out = model(input_ids=input_ids[None], cache=cache, use_cache=True, output_hidden_states=True,
                 logits_to_keep=trained.to(input_ids.device))
     keys = [layer.keys[0] for layer in cache.layers]
     values = [layer.values[0] for layer in cache.layers]

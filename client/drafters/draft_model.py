@@ -44,7 +44,7 @@ class DraftModelDrafter(Drafter):
             kv.truncate(self.cache, len(context) - 1)
             cached = len(context) - 1
         new = torch.tensor([list(context[cached:])], device=self.device)
-        root_logits = self.model(input_ids=new, past_key_values=self.cache, use_cache=True,
+        root_logits = self.model(input_ids=new, cache=self.cache, use_cache=True,
                                  logits_to_keep=1).logits[0, -1]
         context_len = len(context)
         slots: dict[int, int] = {}  # pool index -> cache position
@@ -53,7 +53,7 @@ class DraftModelDrafter(Drafter):
             mask = frontier_mask(frontier, pool, slots, context_len, kv.cache_length(self.cache), self.dtype)
             ids = torch.tensor([[pool[n].token for n in frontier]], device=self.device)
             positions = torch.tensor([[context_len - 1 + pool[n].depth for n in frontier]], device=self.device)
-            out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True,
+            out = self.model(input_ids=ids, cache=self.cache, use_cache=True,
                              attention_mask=mask.to(self.device), position_ids=positions)
             return out.logits[0].float()
 

@@ -259,7 +259,7 @@ class SwiftDrafter(Drafter):
         decoder.layers = kept
         ids = torch.tensor([tokens], device=self.device)
         out = decoder(input_ids=ids, position_ids=torch.tensor([positions], device=self.device),
-                      attention_mask=mask[None, None].to(self.device, self.dtype), past_key_values=self.cache,
+                      attention_mask=mask[None, None].to(self.device, self.dtype), cache=self.cache,
                       use_cache=True)
         return self.model.get_output_embeddings()(out.last_hidden_state[0]).float()
 

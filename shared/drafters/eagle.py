@@ -69,5 +69,5 @@ class EagleDrafter(nn.Module):
         Returns predicted next features [B, T, E]."""
         x = self.fc(torch.cat([embeds, features], dim=-1))
         rope = self.rotary(x, positions)
-        return self.layer(x, attention_mask=mask, position_ids=positions, past_key_values=cache,
+        return self.layer(x, attention_mask=mask, position_ids=positions, cache=cache,
                           use_cache=cache is not None, position_embeddings=rope)

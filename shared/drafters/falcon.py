@@ -59,7 +59,7 @@ class FalconDrafter(nn.Module):
         """The decoder block. x [B, T, E]; positions [B, T]; mask [B|1, 1, T, S] additive (relaxed
         causal, see `relaxed_visible`). Returns predicted features f_{j+2} [B, T, E]."""
         rope = self.rotary(x, positions)
-        return self.layer(x, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=cache is not None,
+        return self.layer(x, attention_mask=mask, position_ids=positions, cache=cache, use_cache=cache is not None,
                           position_embeddings=rope)
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,

@@ -199,6 +199,6 @@ class MoADrafter(nn.Module):
             o: [B, T, E]
         """
         rope = self.rotary(embeds, positions)
-        x = self.sa(embeds, attention_mask=sa_mask, position_ids=positions, past_key_values=sa_cache,
+        x = self.sa(embeds, attention_mask=sa_mask, position_ids=positions, cache=sa_cache,
                     use_cache=sa_cache is not None, position_embeddings=rope)
         return self.ca(x, rope, mem_keys, mem_values, ca_mask)

@@ -79,7 +79,7 @@ class TargetParts(nn.Module):
         if self.tli:
             rope = self.rotary(hidden, positions)
             for layer in self.layers:
-                hidden = layer(hidden, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                hidden = layer(hidden, attention_mask=mask, position_ids=positions, cache=cache,
                                use_cache=cache is not None, position_embeddings=rope)
             hidden = self.norm(hidden)
         return (self.head(hidden) if head else None), hidden
