@@ -5,11 +5,16 @@ prefix + tree rows; committing the accepted path keeps the prefix and the accept
 order, and drops the rest (EAGLE, Li et al. 2024, "copy accepted KV to contiguous slots, then crop"),
 in place: the accepted rows are copied over the first tree rows and the cache is cropped.
 No recomputation: the kept entries are the ones the tree forward computed.
+
+A session's cache (`new_cache`) stores each layer in preallocated memory (`PreallocatedLayer`):
+a forward's new rows are written after the cached ones instead of concatenated into new tensors,
+so neither the append nor the commit of a verify step copies the context.
 """
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
 
 
 class UnsupportedCache(ValueError):
@@ -42,8 +47,102 @@ def attention_windows(config) -> dict[str, int | None]:
     return {kind: (window if kind == SLIDING else None) for kind in sorted(kinds)}
 
 
+class PreallocatedLayer(DynamicLayer):
+    """A full-attention cache layer whose keys and values live in preallocated storage.
+
+    `keys` / `values` are views [B, Hkv, T, D] of buffers [B, Hkv, capacity, D]; `update` writes a
+    forward's new rows into the buffers after the T cached ones (transformers' `DynamicLayer`
+    concatenates, copying all T rows at every step), `crop` only moves the end, and `keep_rows`
+    writes through the views. When the rows do not fit, the buffers grow to the next multiple of
+    `CHUNK` positions with one copy: a copy of the context every `CHUNK` positions instead of at
+    every step, and at most `CHUNK - 1` positions held beyond the cached ones (the server's KV
+    budgets count cached positions; storage exceeds them by less than one chunk per session).
+    """
+
+    CHUNK = 256
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self._length = 0
+        self._key_buffer = key_states.new_empty(*key_states.shape[:-2], 0, key_states.shape[-1])
+        self._value_buffer = value_states.new_empty(*value_states.shape[:-2], 0, value_states.shape[-1])
+        self._refresh()
+        self.is_initialized = True
+
+    def _refresh(self) -> None:
+        self.keys = self._key_buffer[..., : self._length, :]
+        self.values = self._value_buffer[..., : self._length, :]
+
+    @property
+    def capacity(self) -> int:
+        return self._key_buffer.shape[-2] if self.is_initialized else 0
+
+    def _grow(self, needed: int) -> None:
+        capacity = -(-needed // self.CHUNK) * self.CHUNK
+        for name in ("_key_buffer", "_value_buffer"):
+            old = getattr(self, name)
+            new = old.new_empty(*old.shape[:-2], capacity, old.shape[-1])
+            new[..., : self._length, :] = old[..., : self._length, :]
+            setattr(self, name, new)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append key/value states [B, Hkv, n, D]; returns all cached keys and values [B, Hkv, T + n, D].
+
+        Raises:
+            ValueError: states whose batch, heads or head size differ from the cached ones.
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape[:-2] != self._key_buffer.shape[:-2] or key_states.shape[-1] != self._key_buffer.shape[-1]:
+            raise ValueError(f"key states {tuple(key_states.shape)} do not match the cache's "
+                             f"{tuple(self._key_buffer.shape)} outside the position dimension")
+        n = key_states.shape[-2]
+        if self._length + n > self.capacity:
+            self._grow(self._length + n)
+        self._key_buffer[..., self._length: self._length + n, :] = key_states
+        self._value_buffer[..., self._length: self._length + n, :] = value_states
+        self._length += n
+        self._refresh()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self._length if self.is_initialized else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last `-tokens_to_remove` positions (transformers' convention: a negative count)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of positions to remove, got {tokens_to_remove}")
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        self._length = max(0, self._length + tokens_to_remove)
+        self._refresh()
+
+    def reset(self) -> None:
+        self.is_initialized = False
+        self.keys = self.values = None
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("a session cache holds one sequence")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("a session cache holds one sequence")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("a session cache holds one sequence")
+
+
+class SessionCache(DynamicCache):
+    """A `DynamicCache` whose layers are `PreallocatedLayer`s (created as the model first writes
+    each layer, as `DynamicCache()` does)."""
+
+    def __init__(self) -> None:
+        Cache.__init__(self, layer_class_to_replicate=PreallocatedLayer)
+
+
 def new_cache(config) -> DynamicCache:
-    """An empty cache with full (growing) storage for every layer, sliding-window layers included.
+    """An empty cache with full (growing, preallocated) storage for every layer, sliding-window
+    layers included.
 
     transformers' sliding-window cache layers keep only the last `window` positions, so the rows of
     a rejected branch cannot be dropped by position once the context is longer than the window;
@@ -52,7 +151,7 @@ def new_cache(config) -> DynamicCache:
     those layers too, as `cache_bytes` reports.
     """
     attention_windows(config)  # refuse what cannot be served before any state exists
-    return DynamicCache()
+    return SessionCache()
 
 
 def cache_length(cache: DynamicCache, layer: int = 0) -> int:
@@ -118,7 +217,8 @@ def layer_kv(cache: DynamicCache, layer: int, start: int, stop: int) -> tuple[to
 
 
 def cache_bytes(cache: DynamicCache) -> int:
-    """Bytes held by keys and values."""
+    """Bytes of the cached positions' keys and values (a `PreallocatedLayer` holds less than one
+    `CHUNK` of positions more)."""
     total = 0
     for layer in _layers(cache):
         if getattr(layer, "is_initialized", True) and layer.keys is not None:

@@ -114,3 +114,45 @@ def test_truncate_cuts_each_layer_to_the_length():
     assert cache.layers[0].keys.flatten().tolist() == list(range(7))
     with pytest.raises(ValueError):
         kv.truncate(cache, 8)
+
+
+def test_session_cache_equals_dynamic_cache_over_appends_commits_and_growth():
+    """`kv.new_cache`'s preallocated layers give what transformers' concatenating DynamicCache gives
+    through random verify-like steps (append tree rows, keep a non-contiguous path, truncate),
+    across several storage growths; rows stay in place between growths (no context copy)."""
+    gen = torch.Generator().manual_seed(0)
+    ref, ours = DynamicCache(), kv.SessionCache()
+    chunk = kv.PreallocatedLayer.CHUNK
+    moves = 0
+    for step in range(120):
+        rows = 40 if step == 0 else int(torch.randint(1, 26, (1,), generator=gen))
+        new = [(torch.randn(1, 2, rows, 4, generator=gen), torch.randn(1, 2, rows, 4, generator=gen))
+               for _ in range(3)]
+        prefix = kv.cache_length(ref)
+        before = ours.layers[0]._key_buffer.data_ptr() if ours.layers else None
+        capacity = ours.layers[0].capacity if ours.layers else 0
+        for layer, (k, v) in enumerate(new):
+            got_k, got_v = ours.update(k.clone(), v.clone(), layer)
+            want_k, want_v = ref.update(k.clone(), v.clone(), layer)
+            assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+        if before is not None and ours.layers[0]._key_buffer.data_ptr() != before:
+            moves += 1
+            assert prefix + rows > capacity  # it moved only because the rows did not fit
+        keep = sorted(torch.randperm(rows, generator=gen)[: int(torch.randint(0, rows + 1, (1,), generator=gen))].tolist())
+        kv.keep_rows(ref, prefix, keep)
+        kv.keep_rows(ours, prefix, keep)
+        if step % 17 == 16:
+            kv.truncate(ref, prefix)
+            kv.truncate(ours, prefix)
+        for a, b in zip(ref.layers, ours.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        assert ours.layers[0].capacity % chunk == 0 and ours.layers[0].capacity - kv.cache_length(ours) < chunk + 25
+    assert kv.cache_length(ours) > 2 * chunk and moves >= 2  # the run crossed two chunk boundaries
+
+
+def test_session_cache_refuses_states_of_another_shape():
+    cache = kv.SessionCache()
+    cache.update(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), 0)
+    with pytest.raises(ValueError, match="do not match"):
+        cache.update(torch.zeros(1, 3, 1, 4), torch.zeros(1, 3, 1, 4), 0)
+    assert kv.cache_length(cache) == 3  # nothing was written
