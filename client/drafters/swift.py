@@ -41,7 +41,6 @@ from typing import Sequence
 import numpy as np
 import torch
 from torch import nn
-from transformers import DynamicCache
 
 from splitspec.shared import kv
 from splitspec.shared.features import FeatureBatch, FeatureRequest
@@ -218,7 +217,7 @@ class SwiftDrafter(Drafter):
     # -- the sequence's state: the target's K/V of the verified positions ------------------------
 
     def reset(self, prompt_ids, features: FeatureBatch) -> None:
-        self.cache = DynamicCache()
+        self.cache = kv.SessionCache()  # the target's K/V of every layer, appended in place
         self.verified = 0
         self.generated_from = len(prompt_ids)  # positions before this are the prompt
         self.tokens: list[int] = list(prompt_ids)
