@@ -55,8 +55,8 @@ class PreallocatedLayer(DynamicLayer):
     concatenates, copying all T rows at every step), `crop` only moves the end, and `keep_rows`
     writes through the views. When the rows do not fit, the buffers grow to the next multiple of
     `CHUNK` positions with one copy: a copy of the context every `CHUNK` positions instead of at
-    every step, and at most `CHUNK - 1` positions held beyond the cached ones (the server's KV
-    budgets count cached positions; storage exceeds them by less than one chunk per session).
+    every step. Storage exceeds the cached positions by less than one chunk plus the rows the last
+    forward appended and its commit dropped (the server's KV budgets count cached positions).
     """
 
     CHUNK = 256
