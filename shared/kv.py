@@ -63,15 +63,10 @@ class PreallocatedLayer(DynamicLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
-        self._length = 0
         self._key_buffer = key_states.new_empty(*key_states.shape[:-2], 0, key_states.shape[-1])
         self._value_buffer = value_states.new_empty(*value_states.shape[:-2], 0, value_states.shape[-1])
-        self._refresh()
+        self.keys, self.values = self._key_buffer, self._value_buffer  # the cached length is keys.shape[-2]
         self.is_initialized = True
-
-    def _refresh(self) -> None:
-        self.keys = self._key_buffer[..., : self._length, :]
-        self.values = self._value_buffer[..., : self._length, :]
 
     @property
     def capacity(self) -> int:
@@ -79,15 +74,17 @@ class PreallocatedLayer(DynamicLayer):
 
     def _grow(self, needed: int) -> None:
         capacity = -(-needed // self.CHUNK) * self.CHUNK
+        length = self.keys.shape[-2]
         for name in ("_key_buffer", "_value_buffer"):
             old = getattr(self, name)
             new = old.new_empty(*old.shape[:-2], capacity, old.shape[-1])
-            new[..., : self._length, :] = old[..., : self._length, :]
+            new[..., :length, :] = old[..., :length, :]
             setattr(self, name, new)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append key/value states [B, Hkv, n, D]; returns all cached keys and values [B, Hkv, T + n, D].
+        (`crop` and `get_seq_length` are `DynamicLayer`'s: they act on the views.)
 
         Raises:
             ValueError: states whose batch, heads or head size differ from the cached ones.
@@ -97,30 +94,18 @@ class PreallocatedLayer(DynamicLayer):
         if key_states.shape[:-2] != self._key_buffer.shape[:-2] or key_states.shape[-1] != self._key_buffer.shape[-1]:
             raise ValueError(f"key states {tuple(key_states.shape)} do not match the cache's "
                              f"{tuple(self._key_buffer.shape)} outside the position dimension")
-        n = key_states.shape[-2]
-        if self._length + n > self.capacity:
-            self._grow(self._length + n)
-        self._key_buffer[..., self._length: self._length + n, :] = key_states
-        self._value_buffer[..., self._length: self._length + n, :] = value_states
-        self._length += n
-        self._refresh()
+        length, n = self.keys.shape[-2], key_states.shape[-2]
+        if length + n > self.capacity:
+            self._grow(length + n)
+        self._key_buffer[..., length: length + n, :] = key_states
+        self._value_buffer[..., length: length + n, :] = value_states
+        self.keys = self._key_buffer[..., : length + n, :]
+        self.values = self._value_buffer[..., : length + n, :]
         return self.keys, self.values
 
-    def get_seq_length(self) -> int:
-        return self._length if self.is_initialized else 0
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last `-tokens_to_remove` positions (transformers' convention: a negative count)."""
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop takes a negative count of positions to remove, got {tokens_to_remove}")
-        if tokens_to_remove == 0 or not self.is_initialized:
-            return
-        self._length = max(0, self._length + tokens_to_remove)
-        self._refresh()
-
     def reset(self) -> None:
-        self.is_initialized = False
-        self.keys = self.values = None
+        super().reset()
+        self._key_buffer = self._value_buffer = None
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise NotImplementedError("a session cache holds one sequence")
