@@ -71,7 +71,9 @@ def _add_train_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=200_000, help="training tokens per epoch")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--eval-every", type=int, default=50, help="optimizer steps between held-out evaluations")
-    p.add_argument("--max-minutes", type=float, default=0.0, help="stop cleanly after this long (0 = no limit)")
+    p.add_argument("--max-minutes", type=float, default=0.0,
+                   help="stop cleanly after this many minutes of training (0 = no limit); time paused with "
+                        "SIGTSTP (kill -TSTP, Ctrl-Z) does not count")
     p.add_argument("--heldout", type=int, default=16, help="held-out conversations (loss, top-1, memory gain)")
     p.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts of the tau measurement")
     p.add_argument("--eval-new-tokens", type=int, default=48, help="tokens generated per tau prompt")

@@ -40,6 +40,7 @@ from splitspec.shared.drafters.target_parts import TargetParts
 from .batched import (Batch, LossOptions, TargetBatch, batch_chunk_starts, bucketed_order, eagle_loss_batch,
                       falcon_loss_batch, make_batch, moa_loss_batch, run_target_batch, tli_scale,
                       tokenswift_loss_batch)
+from .clock import RunClock
 from .data import Example, iter_sharegpt, split_heldout, tokenize_conversation
 from .objectives import EAGLE_NOISE
 
@@ -372,38 +373,40 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
             t.load(saved["trainees"][t.job.name])
         log.info("resumed at step %d", state["step"])
     identity = TargetIdentity.of(eval_model, tokenizer, model_id)
-    tic = time.time()
+    clock, start_s = RunClock().install(), state["elapsed_s"]  # a pause with SIGTSTP does not count
     layer_inputs = _layer_inputs(trainees)
     bar = tqdm(total=total_steps, initial=state["step"], disable=not progress, desc="train " + cfg.drafter)
     stopping = False
-    while state["step"] < total_steps and not stopping:
-        step = state["step"]
-        order = bucketed_order(lengths, cfg.batch, cfg.seed + step // steps_per_epoch)
-        batch = make_batch([examples[i] for i in order[step % steps_per_epoch]], cfg.device)
-        with _autocast(cfg):
-            target = run_target_batch(train_model, batch, layer_inputs, vocab)
-        metrics = {t.job.name: _train_step(cfg, t, target, vocab, step, total_steps) for t in trainees}
-        state["step"] += 1
-        state["tokens"] += batch.tokens
-        bar.update(1)
-        bar.set_postfix({name: f"{m['loss']:.2f}/{m['top1']:.2f}" for name, m in metrics.items()})
-        elapsed = state["elapsed_s"] + time.time() - tic
-        stopping = bool(cfg.max_minutes) and elapsed >= 60 * cfg.max_minutes
-        if state["step"] % cfg.eval_every == 0 or state["step"] == total_steps or stopping:
-            state["elapsed_s"], tic = elapsed, time.time()
-            for t in trainees:
-                record = {"step": state["step"], "tokens": state["tokens"],
-                          "tokens_total": t.init_tokens + state["tokens"], "elapsed_s": round(elapsed, 1),
-                          "train": metrics[t.job.name],
-                          **evaluate(cfg, _on_cpu(t.drafter, cfg), t.eval_parts, eval_model, tokenizer, held,
-                                     held_examples, t.job)}
-                t.history.append(record)
-                _save_checkpoint(cfg, t, identity, state, record)
-                bar.write(json.dumps({"drafter": t.job.name, **{k: round(v, 4) if isinstance(v, float) else v
-                                                                 for k, v in record.items() if k != "train"}}))
-            _save_state(cfg, state, trainees)
-            state["elapsed_s"] += time.time() - tic  # evaluation time counts against the budget
-            tic = time.time()
+    try:
+        while state["step"] < total_steps and not stopping:
+            step = state["step"]
+            order = bucketed_order(lengths, cfg.batch, cfg.seed + step // steps_per_epoch)
+            batch = make_batch([examples[i] for i in order[step % steps_per_epoch]], cfg.device)
+            with _autocast(cfg):
+                target = run_target_batch(train_model, batch, layer_inputs, vocab)
+            metrics = {t.job.name: _train_step(cfg, t, target, vocab, step, total_steps) for t in trainees}
+            state["step"] += 1
+            state["tokens"] += batch.tokens
+            bar.update(1)
+            bar.set_postfix({name: f"{m['loss']:.2f}/{m['top1']:.2f}" for name, m in metrics.items()})
+            elapsed = start_s + clock.elapsed()
+            stopping = bool(cfg.max_minutes) and elapsed >= 60 * cfg.max_minutes
+            if state["step"] % cfg.eval_every == 0 or state["step"] == total_steps or stopping:
+                state["elapsed_s"] = elapsed
+                for t in trainees:
+                    record = {"step": state["step"], "tokens": state["tokens"],
+                              "tokens_total": t.init_tokens + state["tokens"], "elapsed_s": round(elapsed, 1),
+                              "train": metrics[t.job.name],
+                              **evaluate(cfg, _on_cpu(t.drafter, cfg), t.eval_parts, eval_model, tokenizer, held,
+                                         held_examples, t.job)}
+                    t.history.append(record)
+                    _save_checkpoint(cfg, t, identity, state, record)
+                    bar.write(json.dumps({"drafter": t.job.name, **{k: round(v, 4) if isinstance(v, float) else v
+                                                                     for k, v in record.items() if k != "train"}}))
+                state["elapsed_s"] = start_s + clock.elapsed()  # evaluation time counts against the budget
+                _save_state(cfg, state, trainees)
+    finally:
+        clock.uninstall()
     bar.close()
     return {t.job.name: (t.history[-1] if t.history else {}) for t in trainees}
 

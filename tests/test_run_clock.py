@@ -1,0 +1,53 @@
+"""train/clock.py: a run paused with SIGTSTP and resumed with SIGCONT does not count the pause
+against `--max-minutes`; a run paused with SIGSTOP (uncatchable) does."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGTSTP"), reason="needs POSIX job control")
+
+CHILD = """
+import sys, time
+from splitspec.train.clock import RunClock
+clock = RunClock().install()
+start = time.monotonic()
+print("ready", flush=True)
+sys.stdin.readline()
+print(f"{clock.elapsed():.3f} {time.monotonic() - start:.3f} {clock.paused_s:.3f}", flush=True)
+"""
+
+
+def _pause_child(stop_signal: int, pause_s: float = 1.5) -> tuple[float, float, float]:
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        os.kill(child.pid, stop_signal)
+        time.sleep(pause_s)
+        os.kill(child.pid, signal.SIGCONT)
+        time.sleep(0.2)  # let the SIGCONT handler run before asking
+        out, _ = child.communicate("go\n", timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    counted, wall, paused = map(float, out.split())
+    return counted, wall, paused
+
+
+def test_sigtstp_pause_is_not_counted():
+    counted, wall, paused = _pause_child(signal.SIGTSTP)
+    assert wall >= 1.5
+    assert paused >= 1.3
+    assert counted == pytest.approx(wall - paused, abs=0.05)
+    assert counted < wall - 1.3
+
+
+def test_sigstop_pause_is_counted():
+    counted, wall, paused = _pause_child(signal.SIGSTOP)
+    assert paused == 0.0
+    assert counted >= 1.5
