@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -119,6 +120,9 @@ def test_max_minutes_stops_and_resume_continues_exactly(stories_path, tmp_path):
     assert stopped["eagle2"]["step"] == 1 < straight["eagle2"]["step"]
     resumed = train(_small(stories_path, tmp_path / "b", epochs=2, resume=True), progress=False)
     assert resumed["eagle2"]["step"] == straight["eagle2"]["step"]
+    card = (tmp_path / "a" / "eagle2" / "card.md").read_text()
+    epoch, tokens = re.search(r"2 epochs of ([\d,]+) tokens \(cap 500\)", card), straight["eagle2"]["tokens"]
+    assert epoch and 2 * int(epoch[1].replace(",", "")) == tokens, card  # the card states the real epoch size
     a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
     for name in a:
         for key in a[name]:

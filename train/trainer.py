@@ -372,6 +372,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
         for t in trainees:
             t.load(saved["trainees"][t.job.name])
         log.info("resumed at step %d", state["step"])
+    state["epoch_tokens"] = sum(lengths)  # what one epoch holds; --max-tokens is only its cap
     identity = TargetIdentity.of(eval_model, tokenizer, model_id)
     clock, start_s = RunClock().install(), state["elapsed_s"]  # a pause with SIGTSTP does not count
     layer_inputs = _layer_inputs(trainees)
@@ -556,7 +557,9 @@ def model_card(cfg: TrainConfig, t: Trainee, identity: TargetIdentity, state: di
         "final norm and TLI layers are loaded from the target, not stored here",
         f"- data: {data}",
         f"- budget: {state['tokens']:,} training tokens ({state['step']} optimizer steps of {cfg.batch} conversations, "
-        f"sequences <= {cfg.max_len} tokens; epoch budget {cfg.max_tokens:,} x {cfg.epochs}), AdamW lr {cfg.lr} "
+        f"sequences <= {cfg.max_len} tokens; {cfg.epochs} epoch{'s' if cfg.epochs > 1 else ''} of "
+        + (f"{state['epoch_tokens']:,} tokens (cap {cfg.max_tokens:,})" if "epoch_tokens" in state
+           else f"at most {cfg.max_tokens:,} tokens") + f"), AdamW lr {cfg.lr} "
         f"(warm-up {cfg.warmup_steps} steps, cosine), seed {cfg.seed}"
         + (f"; first {cfg.skip_tokens:,} tokens of the shuffled data skipped" if cfg.skip_tokens else ""),
         *([f"- started from {t.init_from} ({t.init_tokens:,} tokens): {t.init_tokens + state['tokens']:,} training "
