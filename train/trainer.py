@@ -558,8 +558,7 @@ def model_card(cfg: TrainConfig, t: Trainee, identity: TargetIdentity, state: di
         f"- data: {data}",
         f"- budget: {state['tokens']:,} training tokens ({state['step']} optimizer steps of {cfg.batch} conversations, "
         f"sequences <= {cfg.max_len} tokens; {cfg.epochs} epoch{'s' if cfg.epochs > 1 else ''} of "
-        + (f"{state['epoch_tokens']:,} tokens (cap {cfg.max_tokens:,})" if "epoch_tokens" in state
-           else f"at most {cfg.max_tokens:,} tokens") + f"), AdamW lr {cfg.lr} "
+        f"{state['epoch_tokens']:,} tokens (cap {cfg.max_tokens:,})), AdamW lr {cfg.lr} "
         f"(warm-up {cfg.warmup_steps} steps, cosine), seed {cfg.seed}"
         + (f"; first {cfg.skip_tokens:,} tokens of the shuffled data skipped" if cfg.skip_tokens else ""),
         *([f"- started from {t.init_from} ({t.init_tokens:,} tokens): {t.init_tokens + state['tokens']:,} training "
