@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,6 +159,47 @@ def test_distill_data_is_deterministic_and_resumes(stories_path, tmp_path):
         distill_data(DistillConfig(out=tmp_path / "a.jsonl", limit=6, **{**common, "seed": 8}), convs)
     examples = load_distilled(tmp_path / "a.jsonl", 64)
     assert examples and all(sum(e.loss_mask) > 0 for e in examples)
+
+
+def test_later_turns_give_the_deepest_history_that_fits(stories):
+    """distill-data --turns later: each prompt is a conversation up to a later user turn, the
+    deepest whose rendering fits; one-turn conversations give none; the first-turn files read as
+    before (a header without `turns`)."""
+    from splitspec.shared.models import encode_chat
+    from splitspec.train.distill import DistillConfig, _prompts
+
+    _, tokenizer, _ = stories
+    one = _conversations(1, 3)[0]
+    turn = lambda k: [{"role": "user", "content": f"question {k} " * 3},  # noqa: E731
+                      {"role": "assistant", "content": f"answer {k} " * 6}]
+    three = turn(1) + turn(2) + turn(3)
+    full = len(encode_chat(tokenizer, three[:5]))
+    second = encode_chat(tokenizer, three[:3])
+    common = dict(target="t", out=Path("unused"), heldout=0, turns="later")
+    assert _prompts(DistillConfig(**common, max_prompt_len=full), tokenizer, [one, three]) == [
+        encode_chat(tokenizer, three[:5])]
+    assert _prompts(DistillConfig(**common, max_prompt_len=full - 1), tokenizer, [three, one]) == [second]
+    assert _prompts(DistillConfig(**common, max_prompt_len=len(second) - 1), tokenizer, [three]) == []
+    assert _prompts(DistillConfig(**{**common, "turns": "first"}), tokenizer, [one, three]) == [
+        encode_chat(tokenizer, one[:1]), encode_chat(tokenizer, three[:1])]
+    with pytest.raises(ValueError, match="turns"):
+        DistillConfig(target="t", out=Path("x"), turns="all")
+
+
+def test_several_distilled_files_are_pooled(tmp_path, monkeypatch):
+    """train --data a.jsonl,b.jsonl trains on the examples of both files."""
+    import splitspec.train.trainer as trainer
+
+    header = json.dumps({"splitspec_distill": 1}) + "\n"
+    for name, ids in (("a", [5] * 10), ("b", [7] * 12)):
+        (tmp_path / f"{name}.jsonl").write_text(
+            header + json.dumps({"index": 0, "prompt_ids": ids[:4], "answer_ids": ids[4:]}) + "\n")
+    monkeypatch.setattr(trainer, "iter_sharegpt", lambda: iter([[{"role": "user", "content": "hi"}]] * 3))
+    cfg = TrainConfig(drafter="moa", target="t", out=tmp_path, heldout=1, max_tokens=10**6,
+                      data=f"{tmp_path / 'a.jsonl'},{tmp_path / 'b.jsonl'}")
+    examples, held = trainer.load_examples(cfg, tokenizer=None)
+    assert sorted(e.input_ids for e in examples) == [[5] * 10, [7] * 12] and len(held) == 1
+    assert all(e.loss_mask[:4] == [0] * 4 and set(e.loss_mask[4:]) == {1} for e in examples)
 
 
 def test_examples_are_cached_in_the_run_directory(tmp_path, monkeypatch):

@@ -28,7 +28,9 @@ def _add_recipe_args(p: argparse.ArgumentParser) -> None:
                    help="moa | moa:tli=N | eagle2 | falcon | tokenswift, or a comma list trained together on one target pass")
     p.add_argument("--tli", type=int, default=0, help="MoA Target Layer Inference for a single `moa`")
     p.add_argument("--target", default=DEFAULT_TARGET)
-    p.add_argument("--data", default="sharegpt", help="sharegpt, or a JSONL file written by `splitspec distill-data`")
+    p.add_argument("--data", default="sharegpt",
+                   help="sharegpt, or JSONL files written by `splitspec distill-data` (comma-separated; their "
+                        "examples are pooled and shuffled)")
     p.add_argument("--max-len", type=int, default=512)
     p.add_argument("--batch", type=int, default=8, help="conversations per optimizer step")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -119,6 +121,9 @@ def _add_distill_parser(sub) -> None:
     p.add_argument("--limit", type=int, default=1000, help="prompts to answer")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--max-prompt-len", type=int, default=256)
+    p.add_argument("--turns", default="first", choices=["first", "later"],
+                   help="first: answer each conversation's first user turn; later: its deepest later user turn "
+                        "whose history fits --max-prompt-len (multi-turn prompts)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the drafters' main use)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -135,7 +140,7 @@ def cmd_distill(args) -> None:
     cfg = DistillConfig(target=args.target, out=Path(args.out), limit=args.limit, batch=args.batch,
                         max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, heldout=args.heldout, seed=args.seed,
-                        dtype=args.dtype, device=args.device)
+                        dtype=args.dtype, device=args.device, turns=args.turns)
     print(json.dumps(distill_data(cfg)))
 
 

@@ -2,9 +2,12 @@
 
 A drafter is judged on the target's output, so training it on that output (rather than on the
 ChatGPT answers in ShareGPT) usually raises acceptance (EAGLE §4.3 trains on fixed data but notes
-the gain; Medusa-2 §3.3 "self-distillation"; HASS). For each training conversation's first user
-turn (the held-out split of `splitspec train` is left out), the target answers with batched
-generation; each record is one JSON line of token ids:
+the gain; Medusa-2 §3.3 "self-distillation"; HASS). For each training conversation (the held-out
+split of `splitspec train` is left out) the target answers one user turn with batched generation:
+with `turns="first"` the first turn alone; with `turns="later"` the deepest later user turn whose
+whole history (ShareGPT's own earlier turns, answers included) fits `max_prompt_len`, which gives
+multi-turn, longer-context prompts — conversations with one user turn are skipped. Each record is
+one JSON line of token ids:
 
     {"index": i, "prompt_ids": [...], "answer_ids": [...]}
 
@@ -23,6 +26,7 @@ import torch
 
 from .data import Example, iter_sharegpt, split_heldout
 
+TURNS = ("first", "later")
 
 @dataclass(frozen=True)
 class DistillConfig:
@@ -38,6 +42,11 @@ class DistillConfig:
     seed: int = 0
     dtype: str = "float32"
     device: str = "cpu"
+    turns: str = "first"  # first | later (see the module docstring)
+
+    def __post_init__(self):
+        if self.turns not in TURNS:
+            raise ValueError(f"turns must be one of {TURNS}, not {self.turns!r}")
 
     def header(self, model_id: str) -> dict:
         settings = {k: v for k, v in asdict(self).items() if k not in ("out", "limit")}  # a resume may extend
@@ -51,12 +60,28 @@ def _prompts(cfg: DistillConfig, tokenizer, conversations: list | None) -> list[
     train_convs, _ = split_heldout(convs, cfg.heldout, cfg.seed)
     prompts = []
     for conv in train_convs:
-        ids = encode_chat(tokenizer, [conv[0]])
-        if len(ids) <= cfg.max_prompt_len:
+        ids = encode_chat(tokenizer, [conv[0]]) if cfg.turns == "first" else _later_turn(tokenizer, conv, cfg)
+        if ids is not None and len(ids) <= cfg.max_prompt_len:
             prompts.append(ids)
         if len(prompts) >= cfg.limit:
             break
     return prompts
+
+
+def _later_turn(tokenizer, conv: list[dict], cfg: DistillConfig) -> list[int] | None:
+    """The conversation up to its deepest user turn after the first that fits `max_prompt_len`
+    (rendered lengths grow with the turns, so the search stops at the first that does not fit)."""
+    from splitspec.shared.models import encode_chat
+
+    best = None
+    for k in range(1, len(conv)):
+        if conv[k]["role"] != "user":
+            continue
+        ids = encode_chat(tokenizer, conv[: k + 1])
+        if len(ids) > cfg.max_prompt_len:
+            break
+        best = ids
+    return best
 
 
 def _done(path: Path) -> int:
@@ -102,6 +127,7 @@ def distill_data(cfg: DistillConfig, conversations: list | None = None) -> dict:
     done = _done(cfg.out)
     if done or cfg.out.exists() and cfg.out.stat().st_size:
         first = json.loads(cfg.out.read_text().splitlines()[0])
+        first.setdefault("turns", "first")  # files written before `turns` existed
         if first != header:
             raise ValueError(f"{cfg.out} was written with other settings: {first}")
     else:
@@ -126,7 +152,8 @@ def distill_data(cfg: DistillConfig, conversations: list | None = None) -> dict:
 
 
 def load_distilled(path: str | Path, max_len: int) -> list[Example]:
-    """Examples (prompt + answer ids, loss on the answer) from a distill-data file."""
+    """Examples (prompt + answer ids, loss on the answer) from a distill-data file; the prompt,
+    multi-turn history included, carries no loss."""
     examples = []
     for line in Path(path).read_text().splitlines()[1:]:
         record = json.loads(line)

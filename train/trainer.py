@@ -110,7 +110,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"
     resume: bool = False
-    data: str = "sharegpt"  # sharegpt | a distill-data JSONL file
+    data: str = "sharegpt"  # sharegpt | distill-data JSONL files, comma-separated
     init: str = ""  # start from trained weights: a checkpoint folder, or one holding <drafter name>/ folders
     skip_tokens: int = 0  # skip this many tokens of the shuffled data first (data an --init run already saw)
     conversations: list | None = field(default=None, repr=False)  # tests pass their own data
@@ -167,7 +167,7 @@ def load_examples(cfg: TrainConfig, tokenizer) -> tuple[list[Example], list[list
     if cfg.conversations is None and cfg.data != "sharegpt":
         from .distill import load_distilled
 
-        candidates = load_distilled(cfg.data, cfg.max_len)
+        candidates = [ex for path in cfg.data.split(",") for ex in load_distilled(path, cfg.max_len)]
         rng.shuffle(candidates)
     else:
         rng.shuffle(train_convs)
