@@ -153,6 +153,12 @@ def test_distill_data_is_deterministic_and_resumes(stories_path, tmp_path):
     a, b = (tmp_path / "a.jsonl").read_text(), (tmp_path / "b.jsonl").read_text()
     assert a == b and len(a.splitlines()) == 7
     assert json.loads(a.splitlines()[0])["temperature"] == 1.0
+    header, *records = a.splitlines(keepends=True)
+    old = {k: v for k, v in json.loads(header).items() if k != "turns"}  # written before `turns` existed
+    assert len(old) < len(json.loads(header))
+    (tmp_path / "old.jsonl").write_text(json.dumps(old) + "\n" + "".join(records[:2]))
+    distill_data(DistillConfig(out=tmp_path / "old.jsonl", limit=6, **common), convs)
+    assert (tmp_path / "old.jsonl").read_text().splitlines(keepends=True)[1:] == records
     other = distill_data(DistillConfig(out=tmp_path / "c.jsonl", limit=6, **{**common, "seed": 8}), convs)
     assert other["records"] == 6 and (tmp_path / "c.jsonl").read_text() != a
     with pytest.raises(ValueError, match="other settings"):
@@ -163,8 +169,7 @@ def test_distill_data_is_deterministic_and_resumes(stories_path, tmp_path):
 
 def test_later_turns_give_the_deepest_history_that_fits(stories):
     """distill-data --turns later: each prompt is a conversation up to a later user turn, the
-    deepest whose rendering fits; one-turn conversations give none; the first-turn files read as
-    before (a header without `turns`)."""
+    deepest whose rendering fits; one-turn conversations give none; `first` keeps the first turn."""
     from splitspec.shared.models import encode_chat
     from splitspec.train.distill import DistillConfig, _prompts
 
