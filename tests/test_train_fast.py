@@ -251,16 +251,45 @@ def test_init_starts_each_drafter_from_its_checkpoint(stories, tmp_path):
     save_checkpoint(tmp_path / "eagle2", "eagle2", trained, identity, {"tokens": 100, "tokens_total": 700})
     cfg = TrainConfig(drafter="moa,eagle2", target="t", out=None, init=str(tmp_path))
     fresh = build_drafter(DrafterJob("eagle2"), model.config)
-    assert initialise(cfg, DrafterJob("eagle2"), fresh, identity) == (str(tmp_path / "eagle2"), 700)
+    assert initialise(cfg, DrafterJob("eagle2"), fresh, identity) == (str(tmp_path / "eagle2"), 700, "")
     for key, value in trained.state_dict().items():  # the checkpoint is stored in bf16
         torch.testing.assert_close(fresh.state_dict()[key], value.to(torch.bfloat16).float())
     moa = build_drafter(DrafterJob("moa"), model.config)
     before = {k: v.clone() for k, v in moa.state_dict().items()}
-    assert initialise(cfg, DrafterJob("moa"), moa, identity) == ("", 0)
+    assert initialise(cfg, DrafterJob("moa"), moa, identity) == ("", 0, "")
     assert all(torch.equal(before[k], v) for k, v in moa.state_dict().items())
     single = TrainConfig(drafter="moa", target="t", out=None, init=str(tmp_path / "eagle2"))
     with pytest.raises(ValueError, match="eagle2"):
         initialise(single, DrafterJob("moa"), moa, identity)
+
+
+def test_init_names_a_checkpoint_across_tli_depths(stories, tmp_path):
+    """--init NAME=PATH starts moa-tli1 from a moa tli=0 checkpoint (same shapes) and says so; the
+    same checkpoint found by folder name alone, or named for another kind, is refused."""
+    from splitspec.shared.drafters.checkpoint import TargetIdentity, save_checkpoint
+    from splitspec.train.trainer import initialise
+
+    model, tokenizer, model_id = stories
+    identity = TargetIdentity.of(model, tokenizer, model_id)
+    torch.manual_seed(2)
+    tli0 = build_drafter(DrafterJob("moa"), model.config)
+    save_checkpoint(tmp_path / "moa-tli0", "moa", tli0, identity, {"tokens": 50, "tokens_total": 5000})
+    job = DrafterJob("moa", 1)
+    tli1 = build_drafter(job, model.config)
+    cfg = TrainConfig(drafter="moa:tli=1,eagle2", target="t", out=None,
+                      init=f"{tmp_path},moa-tli1={tmp_path / 'moa-tli0'}")
+    assert initialise(cfg, job, tli1, identity) == (str(tmp_path / "moa-tli0"), 5000, "moa tli=0")
+    for key, value in tli0.state_dict().items():
+        torch.testing.assert_close(tli1.state_dict()[key], value.to(torch.bfloat16).float())
+    unnamed = TrainConfig(drafter="moa:tli=1", target="t", out=None, init=str(tmp_path / "moa-tli0"))
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        initialise(unnamed, job, tli1, identity)
+    other = TrainConfig(drafter="moa:tli=1,eagle2", target="t", out=None, init=f"eagle2={tmp_path / 'moa-tli0'}")
+    with pytest.raises(ValueError, match="moa"):
+        initialise(other, DrafterJob("eagle2"), build_drafter(DrafterJob("eagle2"), model.config), identity)
+    with pytest.raises(ValueError, match="falcon"):
+        initialise(TrainConfig(drafter="moa", target="t", out=None, init=f"falcon={tmp_path}"),
+                   DrafterJob("moa"), tli0, identity)
 
 
 def test_skip_tokens_leaves_out_the_data_already_seen(stories, tmp_path):

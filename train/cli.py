@@ -50,9 +50,11 @@ def _add_recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--init", default="",
                    help="start from trained weights: a checkpoint folder, or a folder of <drafter name>/ checkpoints "
-                        "(e.g. client/checkpoints/smollm2-135m); drafters without one start from scratch. Give a "
-                        "lower --lr (about where the earlier run's schedule ended, e.g. 2e-4): a fresh warm-up to "
-                        "1e-3 first undoes part of what the weights learned (docs/training.md, session 10)")
+                        "(e.g. client/checkpoints/smollm2-135m), plus comma-separated NAME=PATH entries naming one "
+                        "drafter's checkpoint; only a named entry may start a MoA from a MoA of another TLI depth "
+                        "(moa-tli1=client/checkpoints/smollm2-135m/moa-tli0); drafters without one start from scratch. "
+                        "Give a lower --lr (about where the earlier run's schedule ended, e.g. 2e-4): a fresh warm-up "
+                        "to 1e-3 first undoes part of what the weights learned (docs/training.md, session 10)")
     p.add_argument("--skip-tokens", type=int, default=0,
                    help="skip this many tokens of the shuffled data first (what the --init weights already saw)")
 

@@ -270,6 +270,7 @@ class Trainee:
     scale: torch.Tensor | None = None  # [E] TLI target scale, fixed from the first batch
     init_from: str = ""  # the checkpoint the weights started from (--init), if any
     init_tokens: int = 0  # training tokens behind those weights
+    init_kind: str = ""  # "moa tli=N" when those weights were trained at another TLI depth
 
     def state(self) -> dict:
         return {"drafter": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict(),
@@ -349,11 +350,12 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
         torch.manual_seed(cfg.seed)  # each drafter starts as it would alone
         drafter = build_drafter(job, eval_model.config).to(cfg.device).train()
         check_size(drafter)
-        init_from, init_tokens = initialise(cfg, job, drafter, TargetIdentity.of(eval_model, tokenizer, model_id))
+        init_from, init_tokens, init_kind = initialise(cfg, job, drafter,
+                                                       TargetIdentity.of(eval_model, tokenizer, model_id))
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
         trainees.append(Trainee(job, drafter, TargetParts(train_model, job.tli), TargetParts(eval_model, job.tli),
                                 optimizer, random.Random(cfg.seed), torch.Generator().manual_seed(cfg.seed),
-                                cfg.out_dir(job), init_from=init_from, init_tokens=init_tokens))
+                                cfg.out_dir(job), init_from=init_from, init_tokens=init_tokens, init_kind=init_kind))
     if vocab is not None:
         for t in trainees:
             t.eval_parts.restrict_vocab(vocab)
@@ -412,36 +414,63 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
     return {t.job.name: (t.history[-1] if t.history else {}) for t in trainees}
 
 
-def initialise(cfg: TrainConfig, job: DrafterJob, drafter: torch.nn.Module, target: "TargetIdentity") -> tuple[str, int]:
+def initialise(cfg: TrainConfig, job: DrafterJob, drafter: torch.nn.Module,
+               target: "TargetIdentity") -> tuple[str, int, str]:
     """Load `cfg.init`'s weights into `drafter` (a fine-tuning start; the optimizer starts fresh).
 
-    `cfg.init` is a checkpoint folder (one drafter) or a folder of `<drafter name>/` checkpoints
-    such as `client/checkpoints/<target>/`; a drafter with no checkpoint there starts from scratch.
-    Returns (the checkpoint folder or "", the training tokens its card records).
+    `cfg.init` is a comma list. A plain entry is a checkpoint folder (one drafter) or a folder of
+    `<drafter name>/` checkpoints such as `client/checkpoints/<target>/`; an entry `NAME=PATH`
+    names the checkpoint of one drafter (`moa-tli1=client/checkpoints/<target>/moa-tli0`) and wins
+    over a plain one. Only a named entry may start a MoA drafter from a MoA of another TLI depth
+    (the weights have the same shapes; the output then feeds the target's last TLI layers instead
+    of its final norm, so the run re-learns that mapping). A drafter with no checkpoint starts
+    from scratch.
+    Returns (the checkpoint folder or "", the training tokens its card records, "" or a note such
+    as "moa tli=0" when the checkpoint's own kind differs from `job`).
     Raises:
         CheckpointMismatch: the checkpoint was trained for another target.
-        ValueError: a checkpoint of another kind or shape than `job`.
+        ValueError: a checkpoint of another kind or shape than `job` (or another TLI depth, unnamed).
     """
     from splitspec.shared.drafters.checkpoint import load_checkpoint
 
     if not cfg.init:
-        return "", 0
-    root = Path(cfg.init)
-    path = root / job.name if (root / job.name / "drafter.json").exists() else root
-    if not (path / "drafter.json").exists() or (path == root and len(cfg.jobs()) > 1):
-        log.warning("no checkpoint for %s under %s: it starts from scratch", job.name, root)
-        return "", 0
+        return "", 0, ""
+    entries = [e.strip() for e in cfg.init.split(",") if e.strip()]
+    named = dict(e.split("=", 1) for e in entries if "=" in e)
+    roots = [Path(e) for e in entries if "=" not in e]
+    unknown = set(named) - {j.name for j in cfg.jobs()}
+    if unknown:
+        raise ValueError(f"--init names {sorted(unknown)}, not drafters of this run ({cfg.drafter})")
+    if len(roots) > 1:
+        raise ValueError(f"--init gives {len(roots)} plain folders; give one (and NAME=PATH for the others)")
+    if job.name in named:
+        path = Path(named[job.name])
+        if not (path / "drafter.json").exists():
+            raise ValueError(f"--init {job.name}={path}: no drafter.json there")
+    elif roots:
+        root = roots[0]
+        path = root / job.name if (root / job.name / "drafter.json").exists() else root
+        if not (path / "drafter.json").exists() or (path == root and len(cfg.jobs()) > 1):
+            log.warning("no checkpoint for %s under %s: it starts from scratch", job.name, root)
+            return "", 0, ""
+    else:
+        return "", 0, ""
     kind, module, meta = load_checkpoint(path, target)
     tli = meta["config"].get("tli", 0) if kind == "moa" else 0
+    note = ""
     if (kind, tli) != (job.kind, job.tli):
-        raise ValueError(f"{path} holds a {kind} (tli={tli}) drafter, not {job.name}")
+        if not (kind == job.kind == "moa" and job.name in named):
+            raise ValueError(f"{path} holds a {kind} (tli={tli}) drafter, not {job.name}"
+                             + (" (name it, --init NAME=PATH, to start across TLI depths)" if kind == job.kind else ""))
+        note = f"moa tli={tli}"
+        log.warning("%s starts from a moa tli=%d checkpoint (%s): a cross-TLI warm start", job.name, tli, path)
     drafter.load_state_dict(module.state_dict())
     training = meta.get("training", {})
     tokens = training.get("tokens_total", training.get("tokens"))
     if tokens is None:
         log.warning("%s records no training token count (an older card): %s's counts cover this run only",
                     path, job.name)
-    return str(path), int(tokens or 0)
+    return str(path), int(tokens or 0), note
 
 
 def _preload() -> None:
@@ -561,8 +590,11 @@ def model_card(cfg: TrainConfig, t: Trainee, identity: TargetIdentity, state: di
         f"{state['epoch_tokens']:,} tokens (cap {cfg.max_tokens:,})), AdamW lr {cfg.lr} "
         f"(warm-up {cfg.warmup_steps} steps, cosine), seed {cfg.seed}"
         + (f"; first {cfg.skip_tokens:,} tokens of the shuffled data skipped" if cfg.skip_tokens else ""),
-        *([f"- started from {t.init_from} ({t.init_tokens:,} tokens): {t.init_tokens + state['tokens']:,} training "
-           "tokens in all" if t.init_tokens else f"- started from {t.init_from} (its token count is not recorded)"]
+        *([f"- started from {t.init_from} ({t.init_tokens:,} tokens"
+           + (f", trained as {t.init_kind}: a cross-TLI warm start" if t.init_kind else "")
+           + f"): {t.init_tokens + state['tokens']:,} training tokens in all"
+           + (f", {state['tokens']:,} of them as {job.name}" if t.init_kind else "")
+           if t.init_tokens else f"- started from {t.init_from} (its token count is not recorded)"]
           if t.init_from else []),
         f"- loss: 0.1 x forward KL(target || drafter)"
         + (f" over the {state['train_vocab']} most frequent tokens" if state.get("train_vocab") else "")
@@ -590,7 +622,7 @@ def _save_checkpoint(cfg: TrainConfig, t: Trainee, identity: TargetIdentity, sta
             "config": {k: (str(v) if isinstance(v, Path) else v)
                        for k, v in asdict(cfg).items() if k != "conversations"},
             "drafter": t.job.name, "step": state["step"], "tokens": state["tokens"],
-            "tokens_total": t.init_tokens + state["tokens"], "init": t.init_from,
+            "tokens_total": t.init_tokens + state["tokens"], "init": t.init_from, "init_kind": t.init_kind,
             "elapsed_s": round(state["elapsed_s"], 1), "device": cfg.device, "torch": torch.__version__,
             "last_eval": record}
     save_checkpoint(t.out, t.job.kind, t.drafter, identity, info)
