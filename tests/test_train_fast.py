@@ -102,6 +102,36 @@ def _weights(path) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("job", [DrafterJob("moa"), DrafterJob("eagle2")], ids=str)
+def test_kl_weight_sets_the_token_terms_share(stories, examples, job):
+    """--kl-weight w: loss = w * CE(target || drafter) + SmoothL1, and the trainer passes it on
+    (the card and its Reproduce line say the weight, and the weights move differently)."""
+    model, _, _ = stories
+    torch.manual_seed(0)
+    drafter = build_drafter(job, model.config)
+    parts = TargetParts(model, job.tli)
+    batch = make_batch(examples)
+    target = run_target_batch(model, batch, ())
+    starts = batch_chunk_starts(batch, 1, 4, random.Random(0))
+    for w in (0.1, 1.0, 0.0):
+        opts = LossOptions(kl_weight=w)
+        loss, m = (moa_loss_batch(drafter, parts, target, starts, opts, torch.float32) if job.kind == "moa"
+                   else eagle_loss_batch(drafter, parts, target, opts, torch.float32))
+        assert m["kl"] > 1.0
+        torch.testing.assert_close(loss.item(), w * m["kl"] + m["smooth_l1"], rtol=1e-5, atol=1e-6)
+
+
+def test_kl_weight_reaches_the_training_step(stories_path, tmp_path):
+    base = dict(drafter="eagle2", max_tokens=200)
+    train(_small(stories_path, tmp_path / "a", **base), progress=False)
+    train(_small(stories_path, tmp_path / "b", kl_weight=1.0, **base), progress=False)
+    a, b = _weights(tmp_path / "a")["eagle2"], _weights(tmp_path / "b")["eagle2"]
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+    card = (tmp_path / "b" / "card.md").read_text()
+    assert "- loss: 1 x forward KL" in card and "--kl-weight 1 " in card
+    assert "--kl-weight" not in (tmp_path / "a" / "card.md").read_text()
+
+
 def test_drafters_trained_together_equal_alone(stories_path, tmp_path):
     together = train(_small(stories_path, tmp_path / "both"), progress=False)
     assert set(together) == {"moa-tli0", "eagle2"} and "memory_gain" in together["moa-tli0"]

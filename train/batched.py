@@ -221,19 +221,22 @@ class LossOptions:
     sa_window: int | None = None  # MoA staircase; None = fully causal
     eagle_noise: float = 0.0
     falcon_glance: float | None = None  # Falcon CSGD's glancing ratio; None = one teacher-forced pass
+    kl_weight: float = KL_WEIGHT  # weight of the token term against the SmoothL1 feature term(s)
 
 
 def distill_loss_rows(logits: torch.Tensor, target_logits: torch.Tensor,
-                      l1_terms: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, dict]:
-    """0.1 * CE(softmax(target), drafter) + mean of SmoothL1 terms, averaged over the N rows
-    (token-weighted). logits, target_logits: [N, V']; l1_terms: (prediction, target) pairs [N, E]."""
+                      l1_terms: list[tuple[torch.Tensor, torch.Tensor]],
+                      kl_weight: float = KL_WEIGHT) -> tuple[torch.Tensor, dict]:
+    """kl_weight (EAGLE's 0.1 by default) * CE(softmax(target), drafter) + mean of SmoothL1 terms,
+    averaged over the N rows (token-weighted). logits, target_logits: [N, V']; l1_terms:
+    (prediction, target) pairs [N, E]."""
     n = max(1, logits.shape[0])
     target_probs = torch.softmax(target_logits.float(), -1)
     kl = -(target_probs * torch.log_softmax(logits.float(), -1)).sum() / n
     l1 = sum(F.smooth_l1_loss(p.float(), t.float(), reduction="none").mean(-1).sum() / n
              for p, t in l1_terms) / len(l1_terms)
     top1 = (logits.argmax(-1) == target_logits.argmax(-1)).float().sum() / n
-    return KL_WEIGHT * kl + l1, {"kl": kl.item(), "smooth_l1": l1.item(), "top1": top1.item(), "rows": n}
+    return kl_weight * kl + l1, {"kl": kl.item(), "smooth_l1": l1.item(), "top1": top1.item(), "rows": n}
 
 
 def moa_loss_batch(drafter, parts, target: TargetBatch, starts: torch.Tensor, opts: LossOptions,
@@ -250,7 +253,7 @@ def moa_loss_batch(drafter, parts, target: TargetBatch, starts: torch.Tensor, op
         if opts.tli_scale is not None:
             pred, truth = pred / opts.tli_scale, truth / opts.tli_scale
         terms.append((pred, truth))
-    return distill_loss_rows(logits, target.logits, terms)
+    return distill_loss_rows(logits, target.logits, terms, kl_weight=opts.kl_weight)
 
 
 def eagle_loss_batch(drafter, parts, target: TargetBatch, opts: LossOptions, dtype: torch.dtype,
@@ -263,7 +266,7 @@ def eagle_loss_batch(drafter, parts, target: TargetBatch, opts: LossOptions, dty
     slots = pred[b[keep], t[keep] - 1]  # [N', E]
     weight, bias = head_weight(parts.lm_head, opts.vocab)
     return distill_loss_rows(F.linear(slots, weight, bias), target.logits[keep],
-                             [(slots, target.final[b[keep], t[keep]])])
+                             [(slots, target.final[b[keep], t[keep]])], kl_weight=opts.kl_weight)
 
 
 def falcon_forward_batch(drafter: FalconDrafter, parts: TargetParts, target: TargetBatch, dtype: torch.dtype,
@@ -312,7 +315,8 @@ def falcon_loss_batch(drafter, parts, target: TargetBatch, opts: LossOptions, dt
     weight, bias = head_weight(parts.lm_head, opts.vocab)
     if opts.falcon_glance is None:
         slots = falcon_forward_batch(drafter, parts, target, dtype, offsets)[b, t - FALCON_K]
-        return distill_loss_rows(F.linear(slots, weight, bias), target.logits[keep], [(slots, target.final[b, t])])
+        return distill_loss_rows(F.linear(slots, weight, bias), target.logits[keep], [(slots, target.final[b, t])],
+                                 kl_weight=opts.kl_weight)
     with torch.no_grad():
         first = falcon_forward_batch(drafter, parts, target, dtype, offsets)
         wrong = (F.linear(first[b, t - FALCON_K], weight, bias).argmax(-1)
@@ -327,7 +331,8 @@ def falcon_loss_batch(drafter, parts, target: TargetBatch, opts: LossOptions, dt
         reveal[row] = torch.tensor([chosen[int(e)] for e in ends], device=true.device)
     out = falcon_forward_batch(drafter, parts, target, dtype, offsets, torch.where(reveal[..., None], true, predicted))
     slots = out[b, t - FALCON_K]
-    return distill_loss_rows(F.linear(slots, weight, bias), target.logits[keep], [(slots, target.final[b, t])])
+    return distill_loss_rows(F.linear(slots, weight, bias), target.logits[keep], [(slots, target.final[b, t])],
+                             kl_weight=opts.kl_weight)
 
 
 def tokenswift_loss_batch(heads, parts, target: TargetBatch, opts: LossOptions, dtype: torch.dtype):
@@ -345,7 +350,8 @@ def tokenswift_loss_batch(heads, parts, target: TargetBatch, opts: LossOptions, 
         feats.append(target.final[b[keep], p[keep]])
     slots = torch.cat(slots)
     weight, bias = head_weight(parts.lm_head, opts.vocab)
-    return distill_loss_rows(F.linear(slots, weight, bias), torch.cat(wanted), [(slots, torch.cat(feats))])
+    return distill_loss_rows(F.linear(slots, weight, bias), torch.cat(wanted), [(slots, torch.cat(feats))],
+                             kl_weight=opts.kl_weight)
 
 
 def tli_scale(target: TargetBatch, layer: int, floor: float = 1e-2) -> torch.Tensor:

@@ -40,6 +40,9 @@ def _add_recipe_args(p: argparse.ArgumentParser) -> None:
                    help="MoA: SA widens from the current chunk to fully causal over this share of the steps (0 = off)")
     p.add_argument("--no-tli-norm", action="store_true",
                    help="MoA TLI > 0: compare layer L-N's input raw instead of per-dimension scaled")
+    p.add_argument("--kl-weight", type=float, default=0.1,
+                   help="weight of the token term (forward KL / CE against the target's softmax) beside the "
+                        "SmoothL1 feature term(s); 0.1 is EAGLE's and the official MoA's. Held-out loss keeps 0.1")
     p.add_argument("--train-vocab", type=int, default=-1,
                    help="KL over the N most frequent target tokens (the draft vocabulary); 0 = all; "
                         "default: 8192 where the target has shipped token counts")
@@ -64,7 +67,8 @@ def _config(args, out: Path, **extra):
 
     return TrainConfig(drafter=args.drafter, target=args.target, out=out, tli=args.tli, max_len=args.max_len,
                        batch=args.batch, lr=args.lr, chunk_min=args.chunk[0], chunk_max=args.chunk[1],
-                       staircase=args.staircase, tli_norm=not args.no_tli_norm, train_vocab=args.train_vocab,
+                       staircase=args.staircase, tli_norm=not args.no_tli_norm, kl_weight=args.kl_weight,
+                       train_vocab=args.train_vocab,
                        dtype=args.dtype, seed=args.seed, device=args.device, data=args.data, init=args.init,
                        skip_tokens=args.skip_tokens, **extra)
 

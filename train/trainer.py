@@ -42,7 +42,7 @@ from .batched import (Batch, LossOptions, TargetBatch, batch_chunk_starts, bucke
                       tokenswift_loss_batch)
 from .clock import RunClock
 from .data import Example, iter_sharegpt, split_heldout, tokenize_conversation
-from .objectives import EAGLE_NOISE
+from .objectives import EAGLE_NOISE, KL_WEIGHT
 
 FALCON_GLANCE = 1.0  # CSGD: a block keeps its true features with probability min(1, this x pass 1's error rate)
 
@@ -103,6 +103,7 @@ class TrainConfig:
     chunk_max: int = 4
     staircase: float = 0.5  # MoA: SA widens from the current chunk to fully causal over this share of steps
     tli_norm: bool = True  # MoA TLI > 0: per-dimension scale on the layer L-N target
+    kl_weight: float = KL_WEIGHT  # training loss = kl_weight * CE(target || drafter) + SmoothL1 (held-out: 0.1)
     train_vocab: int = -1  # KL over the N most frequent tokens (FR-Spec); 0 = all; -1 = 8192 if counts exist
     dtype: str = "auto"  # compute dtype of the matmuls: bfloat16 (autocast; weights stay fp32), float32, or
     # auto = bfloat16 where it is measured faster here (`fastest_dtype`)
@@ -497,7 +498,8 @@ def _train_step(cfg: TrainConfig, t: Trainee, target: TargetBatch, vocab, step: 
     if t.job.kind == "moa" and t.job.tli and cfg.tli_norm and t.scale is None:
         t.scale = tli_scale(target, t.parts.first_tli_layer)
     opts = LossOptions(vocab=vocab, tli_scale=t.scale if cfg.tli_norm else None,
-                       sa_window=sa_window(cfg, step, total), eagle_noise=EAGLE_NOISE, falcon_glance=FALCON_GLANCE)
+                       sa_window=sa_window(cfg, step, total), eagle_noise=EAGLE_NOISE, falcon_glance=FALCON_GLANCE,
+                       kl_weight=cfg.kl_weight)
     for group in t.optimizer.param_groups:
         group["lr"] = _lr_at(step, cfg, total)
     t.optimizer.zero_grad(set_to_none=True)
@@ -596,7 +598,7 @@ def model_card(cfg: TrainConfig, t: Trainee, identity: TargetIdentity, state: di
            + (f", {state['tokens']:,} of them as {job.name}" if t.init_kind else "")
            if t.init_tokens else f"- started from {t.init_from} (its token count is not recorded)"]
           if t.init_from else []),
-        f"- loss: 0.1 x forward KL(target || drafter)"
+        f"- loss: {cfg.kl_weight:g} x forward KL(target || drafter)"
         + (f" over the {state['train_vocab']} most frequent tokens" if state.get("train_vocab") else "")
         + " + SmoothL1 on predicted activations"
         + (f" (final and layer L-{job.tli} states{', the latter per-dimension scaled' if cfg.tli_norm else ''})"
@@ -611,7 +613,9 @@ def model_card(cfg: TrainConfig, t: Trainee, identity: TargetIdentity, state: di
         f"Reproduce: `splitspec train --drafter {drafters} --target {cfg.target} --data {cfg.data} "
         f"--max-tokens {cfg.max_tokens} --epochs {cfg.epochs} --max-len {cfg.max_len} --batch {cfg.batch} "
         f"--lr {cfg.lr} --chunk {cfg.chunk_min}-{cfg.chunk_max} --staircase {cfg.staircase}"
-        f"{'' if cfg.tli_norm else ' --no-tli-norm'} --train-vocab {cfg.train_vocab} --dtype {cfg.dtype} "
+        f"{'' if cfg.tli_norm else ' --no-tli-norm'}"
+        f"{f' --kl-weight {cfg.kl_weight:g}' if cfg.kl_weight != KL_WEIGHT else ''}"
+        f" --train-vocab {cfg.train_vocab} --dtype {cfg.dtype} "
         f"--seed {cfg.seed}" + (f" --init {cfg.init}" if cfg.init else "")
         + (f" --skip-tokens {cfg.skip_tokens}" if cfg.skip_tokens else "") + " --out DIR`", ""])
 
