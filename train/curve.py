@@ -49,7 +49,7 @@ def plot(histories: dict[str, list[dict]], out: Path) -> None:
     drafters = sorted({name.split(" (")[0] for name in histories})
     runs = sorted({name.split(" (")[-1] for name in histories})
     colours = {d: f"C{i}" for i, d in enumerate(drafters)}
-    markers = {r: "os^Dv<>p*h"[i % 10] for i, r in enumerate(runs)}
+    markers = {r: "os^Dv<>p*hXP"[i % 12] for i, r in enumerate(runs)}
     fig, axes = plt.subplots(1, len(METRICS), figsize=(5 * len(METRICS), 4))
     for ax, (key, title) in zip(axes, METRICS):
         for name, records in histories.items():
@@ -61,7 +61,8 @@ def plot(histories: dict[str, list[dict]], out: Path) -> None:
         ax.set_xlabel("training tokens")
         ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    # Beside the panels, not over them: a dozen runs would hide the curves they name.
+    fig.legend(*axes[0].get_legend_handles_labels(), fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(fig)
