@@ -101,11 +101,9 @@ def _weights(path) -> dict:
     return {name: t["drafter"] for name, t in saved["trainees"].items()}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("job", [DrafterJob("moa"), DrafterJob("eagle2")], ids=str)
 def test_kl_weight_sets_the_token_terms_share(stories, examples, job):
-    """--kl-weight w: loss = w * CE(target || drafter) + SmoothL1, and the trainer passes it on
-    (the card and its Reproduce line say the weight, and the weights move differently)."""
+    """--kl-weight w: loss = w * CE(target || drafter) + SmoothL1."""
     model, _, _ = stories
     torch.manual_seed(0)
     drafter = build_drafter(job, model.config)
@@ -122,6 +120,8 @@ def test_kl_weight_sets_the_token_terms_share(stories, examples, job):
 
 
 def test_kl_weight_reaches_the_training_step(stories_path, tmp_path):
+    """The trainer passes --kl-weight on: the weights move differently, and the card and its
+    Reproduce line say the weight (and only when it is not the default)."""
     base = dict(drafter="eagle2", max_tokens=200)
     train(_small(stories_path, tmp_path / "a", **base), progress=False)
     train(_small(stories_path, tmp_path / "b", kl_weight=1.0, **base), progress=False)
@@ -132,6 +132,7 @@ def test_kl_weight_reaches_the_training_step(stories_path, tmp_path):
     assert "--kl-weight" not in (tmp_path / "a" / "card.md").read_text()
 
 
+@pytest.mark.slow
 def test_drafters_trained_together_equal_alone(stories_path, tmp_path):
     together = train(_small(stories_path, tmp_path / "both"), progress=False)
     assert set(together) == {"moa-tli0", "eagle2"} and "memory_gain" in together["moa-tli0"]

@@ -112,7 +112,7 @@ class TrainConfig:
     device: str = "cpu"
     resume: bool = False
     data: str = "sharegpt"  # sharegpt | distill-data JSONL files, comma-separated
-    init: str = ""  # start from trained weights: a checkpoint folder, or one holding <drafter name>/ folders
+    init: str = ""  # trained weights: a checkpoint folder or one of <drafter name>/ folders, plus NAME=PATH entries
     skip_tokens: int = 0  # skip this many tokens of the shuffled data first (data an --init run already saw)
     conversations: list | None = field(default=None, repr=False)  # tests pass their own data
 
