@@ -158,3 +158,22 @@ def test_missing_shipped_checkpoint_names_what_ships_and_how_to_train(capsys):
     assert "moa-tli0" in message and "eagle2" in message and "moa-tli7" not in message
     assert "splitspec train --drafter moa:tli=7 --target smollm2-135m" in message
     assert DrafterSpec.parse("moa:/some/dir").checkpoint("smollm2-135m").as_posix() == "/some/dir"
+
+
+def test_train_command_defaults_are_the_trainers():
+    """`splitspec train` keeps its defaults as literals (the CLI does not import torch to build its
+    parser), so a bare command must still give TrainConfig's own defaults; only the learning rate
+    differs on purpose (a run from scratch on the command line takes 1e-3, the tests' tiny runs 5e-4)."""
+    import dataclasses
+
+    from splitspec.cli.main import build_parser
+    from splitspec.train.cli import _config
+    from splitspec.train.trainer import TrainConfig
+
+    args = build_parser().parse_args(["train", "--drafter", "moa", "--out", "x", "--dtype", "float32"])
+    cfg = _config(args, args.out, max_tokens=args.max_tokens, epochs=args.epochs, eval_every=args.eval_every,
+                  max_minutes=args.max_minutes, resume=args.resume, heldout=args.heldout,
+                  eval_prompts=args.eval_prompts, eval_new_tokens=args.eval_new_tokens)
+    default = TrainConfig(drafter="moa", target=cfg.target, out="x", dtype="float32")
+    differ = {f.name for f in dataclasses.fields(TrainConfig) if getattr(cfg, f.name) != getattr(default, f.name)}
+    assert differ == {"lr"}, differ
