@@ -85,17 +85,23 @@ def _add_train_parser(sub) -> None:
     p.add_argument("--heldout", type=int, default=16, help="held-out conversations (loss, top-1, memory gain)")
     p.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts of the tau measurement")
     p.add_argument("--eval-new-tokens", type=int, default=48, help="tokens generated per tau prompt")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", help="run folder (required unless --eval-only)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out exactly where it stopped")
+    p.add_argument("--eval-only", action="store_true",
+                   help="measure the --init checkpoints on the held-out split (loss, top-1, memory gain, tau over "
+                        "--eval-prompts prompts) and print the records; trains and writes nothing")
     p.set_defaults(func=cmd_train)
 
 
 def cmd_train(args) -> None:
     from splitspec.train.trainer import train
 
-    cfg = _config(args, Path(args.out), max_tokens=args.max_tokens, epochs=args.epochs, eval_every=args.eval_every,
-                  max_minutes=args.max_minutes, resume=args.resume, heldout=args.heldout,
-                  eval_prompts=args.eval_prompts, eval_new_tokens=args.eval_new_tokens)
+    if not args.out and not args.eval_only:
+        raise SystemExit("splitspec train: --out is required (unless --eval-only)")
+    cfg = _config(args, Path(args.out or "."), max_tokens=args.max_tokens, epochs=args.epochs,
+                  eval_every=args.eval_every, max_minutes=args.max_minutes, resume=args.resume,
+                  heldout=args.heldout, eval_prompts=args.eval_prompts, eval_new_tokens=args.eval_new_tokens,
+                  eval_only=args.eval_only)
     print(json.dumps(train(cfg)))
 
 

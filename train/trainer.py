@@ -114,6 +114,7 @@ class TrainConfig:
     data: str = "sharegpt"  # sharegpt | distill-data JSONL files, comma-separated
     init: str = ""  # trained weights: a checkpoint folder or one of <drafter name>/ folders, plus NAME=PATH entries
     skip_tokens: int = 0  # skip this many tokens of the shuffled data first (data an --init run already saw)
+    eval_only: bool = False  # measure the --init weights on the held-out split; train nothing, write nothing
     conversations: list | None = field(default=None, repr=False)  # tests pass their own data
 
     def __post_init__(self) -> None:
@@ -330,8 +331,13 @@ def _layer_inputs(trainees: list[Trainee]) -> tuple[int, ...]:
 def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
     """Run (or resume) a training run; returns {drafter name: its last held-out record}.
 
+    With `cfg.eval_only` nothing is trained or written: each drafter's `--init` weights are measured
+    on the held-out split (the same conversations and figures as a run's evaluations; `eval_prompts`
+    sets how many prompts the tau measurement uses) and those records are returned.
+
     Raises:
-        ValueError: bad drafter list, or no usable training data.
+        ValueError: bad drafter list, no usable training data, or `eval_only` for a drafter that
+            `init` gives no checkpoint.
         CheckpointTooLarge: a drafter over the checkpoint size limit (before any training).
     """
     from tqdm import tqdm
@@ -353,6 +359,8 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
         check_size(drafter)
         init_from, init_tokens, init_kind = initialise(cfg, job, drafter,
                                                        TargetIdentity.of(eval_model, tokenizer, model_id))
+        if cfg.eval_only and not init_from:
+            raise ValueError(f"--eval-only: --init gives {job.name} no checkpoint to evaluate")
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
         trainees.append(Trainee(job, drafter, TargetParts(train_model, job.tli), TargetParts(eval_model, job.tli),
                                 optimizer, random.Random(cfg.seed), torch.Generator().manual_seed(cfg.seed),
@@ -360,6 +368,14 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
     if vocab is not None:
         for t in trainees:
             t.eval_parts.restrict_vocab(vocab)
+    if cfg.eval_only:  # the held-out split depends only on the conversations, --heldout and the seed
+        convs = cfg.conversations if cfg.conversations is not None else list(iter_sharegpt())
+        held = split_heldout(convs, cfg.heldout, cfg.seed)[1]
+        held_examples = [e for e in (tokenize_conversation(tokenizer, c, cfg.max_len) for c in held) if e]
+        return {t.job.name: {"init": t.init_from, "tokens_total": t.init_tokens, "eval_prompts": cfg.eval_prompts,
+                             **evaluate(cfg, _on_cpu(t.drafter, cfg), t.eval_parts, eval_model, tokenizer, held,
+                                        held_examples, t.job)}
+                for t in trainees}
     examples, held = cached_examples(cfg, tokenizer)
     if not examples:
         raise ValueError("no training examples (empty data or every conversation too short)")
