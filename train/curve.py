@@ -58,6 +58,7 @@ def plot(histories: dict[str, list[dict]], out: Path) -> None:
                 ax.plot(*zip(*points), color=colours[name.split(" (")[0]], marker=markers[name.split(" (")[-1]],
                         label=name)
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(plt.NullFormatter())  # a narrow range labels its minor ticks, overlapping
         ax.set_xlabel("training tokens")
         ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)
