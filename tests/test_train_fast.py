@@ -134,12 +134,12 @@ def test_kl_weight_reaches_the_training_step(stories_path, tmp_path):
 
 def test_eval_only_measures_the_init_checkpoints_and_writes_nothing(stories_path, tmp_path):
     """--eval-only gives each --init checkpoint the held-out figures its run ended with (within the
-    bf16 rounding of the stored weights), trains nothing and writes nothing; a drafter without a
-    checkpoint is refused."""
+    bf16 rounding of the stored weights), trains nothing and writes nothing, and says how many
+    prompts its tau used; a drafter without a checkpoint is refused."""
     last = train(_small(stories_path, tmp_path / "run"), progress=False)
     before = {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*")}
-    records = train(_small(stories_path, tmp_path / "none", init=str(tmp_path / "run"), eval_only=True),
-                    progress=False)
+    records = train(_small(stories_path, tmp_path / "none", init=str(tmp_path / "run"), eval_only=True,
+                           eval_prompts=5), progress=False)
     assert not (tmp_path / "none").exists()
     assert before == {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*")}
     scratch = train(_small(stories_path, tmp_path / "scratch", max_tokens=1, eval_every=1), progress=False)
@@ -150,6 +150,7 @@ def test_eval_only_measures_the_init_checkpoints_and_writes_nothing(stories_path
         assert abs(got["heldout_loss"] - want["heldout_loss"]) < abs(scratch[name]["heldout_loss"]
                                                                      - want["heldout_loss"]) / 4
         assert got["tau"] >= 1.0 and ("memory_gain" in got) == (name == "moa-tli0")
+        assert got["eval_prompts"] == 2  # as many as there are held-out conversations
     with pytest.raises(ValueError, match="no checkpoint to evaluate"):
         train(_small(stories_path, tmp_path / "x", init=str(tmp_path / "run"), drafter="moa,falcon",
                      eval_only=True), progress=False)

@@ -89,7 +89,7 @@ def _add_train_parser(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue the run in --out exactly where it stopped")
     p.add_argument("--eval-only", action="store_true",
                    help="measure the --init checkpoints on the held-out split (loss, top-1, memory gain, tau over "
-                        "--eval-prompts prompts) and print the records; trains and writes nothing")
+                        "--eval-prompts prompts, at most --heldout) and print the records; trains and writes nothing")
     p.set_defaults(func=cmd_train)
 
 

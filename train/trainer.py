@@ -372,7 +372,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
         convs = cfg.conversations if cfg.conversations is not None else list(iter_sharegpt())
         held = split_heldout(convs, cfg.heldout, cfg.seed)[1]
         held_examples = [e for e in (tokenize_conversation(tokenizer, c, cfg.max_len) for c in held) if e]
-        return {t.job.name: {"init": t.init_from, "tokens_total": t.init_tokens, "eval_prompts": cfg.eval_prompts,
+        return {t.job.name: {"init": t.init_from, "tokens_total": t.init_tokens, "eval_prompts": min(cfg.eval_prompts, len(held)),
                              **evaluate(cfg, _on_cpu(t.drafter, cfg), t.eval_parts, eval_model, tokenizer, held,
                                         held_examples, t.job)}
                 for t in trainees}
