@@ -166,14 +166,13 @@ def test_train_command_defaults_are_the_trainers():
     differs on purpose (a run from scratch on the command line takes 1e-3, the tests' tiny runs 5e-4)."""
     import dataclasses
 
+    from pathlib import Path
+
     from splitspec.cli.main import build_parser
-    from splitspec.train.cli import _config
+    from splitspec.train.cli import train_config
     from splitspec.train.trainer import TrainConfig
 
-    args = build_parser().parse_args(["train", "--drafter", "moa", "--out", "x", "--dtype", "float32"])
-    cfg = _config(args, args.out, max_tokens=args.max_tokens, epochs=args.epochs, eval_every=args.eval_every,
-                  max_minutes=args.max_minutes, resume=args.resume, heldout=args.heldout,
-                  eval_prompts=args.eval_prompts, eval_new_tokens=args.eval_new_tokens)
-    default = TrainConfig(drafter="moa", target=cfg.target, out="x", dtype="float32")
+    cfg = train_config(build_parser().parse_args(["train", "--drafter", "moa", "--out", "x", "--dtype", "float32"]))
+    default = TrainConfig(drafter="moa", target=cfg.target, out=Path("x"), dtype="float32")
     differ = {f.name for f in dataclasses.fields(TrainConfig) if getattr(cfg, f.name) != getattr(default, f.name)}
     assert differ == {"lr"}, differ

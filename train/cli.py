@@ -93,16 +93,20 @@ def _add_train_parser(sub) -> None:
     p.set_defaults(func=cmd_train)
 
 
+def train_config(args):
+    """The `TrainConfig` of a parsed `splitspec train` command line."""
+    if not args.out and not args.eval_only:
+        raise SystemExit("splitspec train: --out is required (unless --eval-only)")
+    return _config(args, Path(args.out or "."), max_tokens=args.max_tokens, epochs=args.epochs,
+                   eval_every=args.eval_every, max_minutes=args.max_minutes, resume=args.resume,
+                   heldout=args.heldout, eval_prompts=args.eval_prompts, eval_new_tokens=args.eval_new_tokens,
+                   eval_only=args.eval_only)
+
+
 def cmd_train(args) -> None:
     from splitspec.train.trainer import train
 
-    if not args.out and not args.eval_only:
-        raise SystemExit("splitspec train: --out is required (unless --eval-only)")
-    cfg = _config(args, Path(args.out or "."), max_tokens=args.max_tokens, epochs=args.epochs,
-                  eval_every=args.eval_every, max_minutes=args.max_minutes, resume=args.resume,
-                  heldout=args.heldout, eval_prompts=args.eval_prompts, eval_new_tokens=args.eval_new_tokens,
-                  eval_only=args.eval_only)
-    print(json.dumps(train(cfg)))
+    print(json.dumps(train(train_config(args))))
 
 
 def _add_train_bench_parser(sub) -> None:

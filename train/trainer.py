@@ -163,8 +163,7 @@ def load_examples(cfg: TrainConfig, tokenizer) -> tuple[list[Example], list[list
     """Training examples up to the token budget, and held-out ShareGPT conversations
     (deterministic). With distilled data (`cfg.data` a distill-data file) the examples are the
     target's own answers; the held-out conversations stay ShareGPT's."""
-    convs = cfg.conversations if cfg.conversations is not None else list(iter_sharegpt())
-    train_convs, held = split_heldout(convs, cfg.heldout, cfg.seed)
+    train_convs, held = _split_conversations(cfg)
     rng = random.Random(cfg.seed)
     if cfg.conversations is None and cfg.data != "sharegpt":
         from .distill import load_distilled
@@ -186,6 +185,13 @@ def load_examples(cfg: TrainConfig, tokenizer) -> tuple[list[Example], list[list
         if tokens >= cfg.max_tokens:
             break
     return examples, held
+
+
+def _split_conversations(cfg: TrainConfig) -> tuple[list, list]:
+    """(training, held-out) ShareGPT conversations, or the test's own; the held-out ones depend only
+    on the conversations, `cfg.heldout` and `cfg.seed`, not on the data or budget of a run."""
+    convs = cfg.conversations if cfg.conversations is not None else list(iter_sharegpt())
+    return split_heldout(convs, cfg.heldout, cfg.seed)
 
 
 EXAMPLES = "examples.pt"
@@ -349,7 +355,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
     # held-out figures are measured as at run time: the fp32 target on the CPU
     eval_model, tokenizer, model_id = load_model(cfg.target, device="cpu")
     train_model = eval_model
-    if cfg.dtype != "float32" or cfg.device != "cpu":
+    if (cfg.dtype != "float32" or cfg.device != "cpu") and not cfg.eval_only:
         train_model = load_model(cfg.target, device=cfg.device, dtype=cfg.dtype)[0]
     vocab = _vocab_ids(cfg, tokenizer)
     trainees = []
@@ -368,18 +374,19 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
     if vocab is not None:
         for t in trainees:
             t.eval_parts.restrict_vocab(vocab)
-    if cfg.eval_only:  # the held-out split depends only on the conversations, --heldout and the seed
-        convs = cfg.conversations if cfg.conversations is not None else list(iter_sharegpt())
-        held = split_heldout(convs, cfg.heldout, cfg.seed)[1]
-        held_examples = [e for e in (tokenize_conversation(tokenizer, c, cfg.max_len) for c in held) if e]
-        return {t.job.name: {"init": t.init_from, "tokens_total": t.init_tokens, "eval_prompts": min(cfg.eval_prompts, len(held)),
+    if cfg.eval_only:  # no training examples to build (or cache)
+        held = _split_conversations(cfg)[1]
+    else:
+        examples, held = cached_examples(cfg, tokenizer)
+        if not examples:
+            raise ValueError("no training examples (empty data or every conversation too short)")
+    held_examples = [e for e in (tokenize_conversation(tokenizer, c, cfg.max_len) for c in held) if e]
+    if cfg.eval_only:
+        return {t.job.name: {"init": t.init_from, "tokens_total": t.init_tokens,
+                             "eval_prompts": min(cfg.eval_prompts, len(held)),
                              **evaluate(cfg, _on_cpu(t.drafter, cfg), t.eval_parts, eval_model, tokenizer, held,
                                         held_examples, t.job)}
                 for t in trainees}
-    examples, held = cached_examples(cfg, tokenizer)
-    if not examples:
-        raise ValueError("no training examples (empty data or every conversation too short)")
-    held_examples = [e for e in (tokenize_conversation(tokenizer, c, cfg.max_len) for c in held) if e]
     lengths = [len(e.input_ids) for e in examples]
     steps_per_epoch = len(bucketed_order(lengths, cfg.batch, cfg.seed))
     total_steps = steps_per_epoch * cfg.epochs
