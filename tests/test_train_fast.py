@@ -207,6 +207,12 @@ def test_distill_data_is_deterministic_and_resumes(stories_path, tmp_path):
     distill_data(DistillConfig(out=tmp_path / "b.jsonl", limit=6, **common), convs)
     a, b = (tmp_path / "a.jsonl").read_text(), (tmp_path / "b.jsonl").read_text()
     assert a == b and len(a.splitlines()) == 7
+    cut = distill_data(DistillConfig(out=tmp_path / "cut.jsonl", limit=5, **common), convs)  # last batch of 1
+    assert cut["records"] == 5 and len((tmp_path / "cut.jsonl").read_text().splitlines()) == 6
+    again = distill_data(DistillConfig(out=tmp_path / "cut.jsonl", limit=5, **common), convs)
+    assert again["new_answer_tokens"] == 0 and len((tmp_path / "cut.jsonl").read_text().splitlines()) == 6
+    distill_data(DistillConfig(out=tmp_path / "cut.jsonl", limit=6, **common), convs)  # the cut batch made whole
+    assert (tmp_path / "cut.jsonl").read_text() == a
     assert json.loads(a.splitlines()[0])["temperature"] == 1.0
     header, *records = a.splitlines(keepends=True)
     old = {k: v for k, v in json.loads(header).items() if k != "turns"}  # written before `turns` existed

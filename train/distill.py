@@ -84,13 +84,16 @@ def _later_turn(tokenizer, conv: list[dict], cfg: DistillConfig) -> list[int] | 
     return best
 
 
-def _done(path: Path) -> int:
-    """Records already written (a torn last line, from a killed run, is dropped)."""
+def _done(path: Path, keep: int | None = None) -> int:
+    """Records already written (a torn last line, from a killed run, is dropped; with `keep`, the
+    records after the first `keep` too)."""
     if not path.exists():
         return 0
     lines = path.read_text().splitlines(keepends=True)
     while lines and not lines[-1].endswith("\n"):
         lines.pop()
+    if keep is not None:
+        lines = lines[: 1 + keep]
     path.write_text("".join(lines))
     return max(0, len(lines) - 1)
 
@@ -137,11 +140,14 @@ def distill_data(cfg: DistillConfig, conversations: list | None = None) -> dict:
     eos = eos_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     start = done - done % cfg.batch
-    if start != done:  # a partial batch cannot be, batches are written whole; keep the file consistent
-        raise ValueError(f"{cfg.out} holds {done} records, not a whole number of batches of {cfg.batch}")
+    if start != done and len(prompts) > done:
+        # The last batch was cut short by the earlier run's --limit. Its answers came from a smaller
+        # batch (other padding), so they are generated again as the whole batch an uninterrupted run
+        # with this limit writes.
+        done = _done(cfg.out, keep=start)
     tokens = 0
     with cfg.out.open("a") as f:
-        for i in range(start, len(prompts), cfg.batch):
+        for i in range(done, len(prompts), cfg.batch):
             chunk = prompts[i: i + cfg.batch]
             answers = answer_batch(model, chunk, cfg, eos, pad, cfg.seed + i)
             f.write("".join(json.dumps({"index": i + k, "prompt_ids": p, "answer_ids": a}) + "\n"
