@@ -268,6 +268,24 @@ def test_several_distilled_files_are_pooled(tmp_path, monkeypatch):
     assert all(e.loss_mask[:4] == [0] * 4 and set(e.loss_mask[4:]) == {1} for e in examples)
 
 
+def test_data_entries_take_record_ranges(tmp_path, monkeypatch):
+    """train --data f.jsonl[1:3],f.jsonl[4:] trains on records 1, 2 and 4 of f; a malformed range is
+    refused when the config is made."""
+    import splitspec.train.trainer as trainer
+
+    path = tmp_path / "f.jsonl"
+    path.write_text(json.dumps({"splitspec_distill": 1}) + "\n" + "".join(
+        json.dumps({"index": i, "prompt_ids": [10 + i] * 4, "answer_ids": [20 + i] * 6}) + "\n" for i in range(5)))
+    monkeypatch.setattr(trainer, "iter_sharegpt", lambda: iter([[{"role": "user", "content": "hi"}]] * 3))
+    cfg = TrainConfig(drafter="moa", target="t", out=tmp_path, heldout=1, max_tokens=10**6,
+                      data=f"{path}[1:3],{path}[4:]")
+    examples, _ = trainer.load_examples(cfg, tokenizer=None)
+    assert sorted(e.input_ids[0] for e in examples) == [11, 12, 14]
+    for bad in ("[a:]", "[1]", "[1:2:3]", "[-1:]"):
+        with pytest.raises(ValueError, match="record range"):
+            TrainConfig(drafter="moa", target="t", out=tmp_path, data=f"{path}{bad}")
+
+
 def test_examples_are_cached_in_the_run_directory(tmp_path, monkeypatch):
     """--resume reads the tokenized examples back instead of rebuilding them; a changed budget,
     length limit or tokenizer rebuilds them."""

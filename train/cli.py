@@ -30,7 +30,8 @@ def _add_recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--data", default="sharegpt",
                    help="sharegpt, or JSONL files written by `splitspec distill-data` (comma-separated; their "
-                        "examples are pooled and shuffled)")
+                        "examples are pooled and shuffled); FILE[START:END] takes a record range, e.g. "
+                        "data/smollm2-answers.jsonl[2320:] for the records after the first 2,320")
     p.add_argument("--max-len", type=int, default=512)
     p.add_argument("--batch", type=int, default=8, help="conversations per optimizer step")
     p.add_argument("--lr", type=float, default=1e-3)

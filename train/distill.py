@@ -157,11 +157,29 @@ def distill_data(cfg: DistillConfig, conversations: list | None = None) -> dict:
     return {"out": str(cfg.out), "records": len(prompts), "new_answer_tokens": tokens}
 
 
-def load_distilled(path: str | Path, max_len: int) -> list[Example]:
-    """Examples (prompt + answer ids, loss on the answer) from a distill-data file; the prompt,
-    multi-turn history included, carries no loss."""
+def parse_data_entry(entry: str) -> tuple[str, slice]:
+    """A `--data` entry: a distill-data file, optionally with a record range in Python slice form,
+    `data/answers.jsonl[2320:]` (records 2,320 to the end; records count from 0 in file order,
+    which is their "index").
+
+    Raises:
+        ValueError: a range that is not `[START:END]` with optional non-negative integers.
+    """
+    if not entry.endswith("]") or "[" not in entry:
+        return entry, slice(None)
+    path, _, spec = entry[:-1].rpartition("[")
+    bounds = spec.split(":")
+    if len(bounds) != 2 or not all(b == "" or b.isdigit() for b in bounds):
+        raise ValueError(f"--data entry {entry!r}: a record range is [START:END], e.g. {path}[2320:]")
+    start, end = (int(b) if b else None for b in bounds)
+    return path, slice(start, end)
+
+
+def load_distilled(path: str | Path, max_len: int, records: slice = slice(None)) -> list[Example]:
+    """Examples (prompt + answer ids, loss on the answer) from the `records` of a distill-data
+    file; the prompt, multi-turn history included, carries no loss."""
     examples = []
-    for line in Path(path).read_text().splitlines()[1:]:
+    for line in Path(path).read_text().splitlines()[1:][records]:
         record = json.loads(line)
         prompt, answer = record["prompt_ids"], record["answer_ids"]
         ids = (prompt + answer)[:max_len]

@@ -122,6 +122,11 @@ class TrainConfig:
             self.dtype = fastest_dtype(self.device)
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError(f"dtype must be bfloat16, float32 or auto, got {self.dtype!r}")
+        if self.data != "sharegpt":
+            from .distill import parse_data_entry
+
+            for entry in self.data.split(","):
+                parse_data_entry(entry)  # a malformed record range fails before any model loads
 
     def jobs(self) -> list[DrafterJob]:
         jobs = [DrafterJob.parse(t) for t in self.drafter.split(",") if t.strip()]
@@ -166,9 +171,10 @@ def load_examples(cfg: TrainConfig, tokenizer) -> tuple[list[Example], list[list
     train_convs, held = _split_conversations(cfg)
     rng = random.Random(cfg.seed)
     if cfg.conversations is None and cfg.data != "sharegpt":
-        from .distill import load_distilled
+        from .distill import load_distilled, parse_data_entry
 
-        candidates = [ex for path in cfg.data.split(",") for ex in load_distilled(path, cfg.max_len)]
+        entries = [parse_data_entry(entry) for entry in cfg.data.split(",")]
+        candidates = [ex for path, records in entries for ex in load_distilled(path, cfg.max_len, records)]
         rng.shuffle(candidates)
     else:
         rng.shuffle(train_convs)
