@@ -254,13 +254,14 @@ def test_later_turns_give_the_deepest_history_that_fits(stories):
 
 def test_several_distilled_files_are_pooled(tmp_path, monkeypatch):
     """train --data a.jsonl,b.jsonl trains on the examples of both files."""
+    import splitspec.train.data as data
     import splitspec.train.trainer as trainer
 
     header = json.dumps({"splitspec_distill": 1}) + "\n"
     for name, ids in (("a", [5] * 10), ("b", [7] * 12)):
         (tmp_path / f"{name}.jsonl").write_text(
             header + json.dumps({"index": 0, "prompt_ids": ids[:4], "answer_ids": ids[4:]}) + "\n")
-    monkeypatch.setattr(trainer, "iter_sharegpt", lambda: iter([[{"role": "user", "content": "hi"}]] * 3))
+    monkeypatch.setattr(data, "iter_sharegpt", lambda: iter([[{"role": "user", "content": "hi"}]] * 3))
     cfg = TrainConfig(drafter="moa", target="t", out=tmp_path, heldout=1, max_tokens=10**6,
                       data=f"{tmp_path / 'a.jsonl'},{tmp_path / 'b.jsonl'}")
     examples, held = trainer.load_examples(cfg, tokenizer=None)
@@ -271,12 +272,13 @@ def test_several_distilled_files_are_pooled(tmp_path, monkeypatch):
 def test_data_entries_take_record_ranges(tmp_path, monkeypatch):
     """train --data f.jsonl[1:3],f.jsonl[4:] trains on records 1, 2 and 4 of f; a malformed range is
     refused when the config is made."""
+    import splitspec.train.data as data
     import splitspec.train.trainer as trainer
 
     path = tmp_path / "f.jsonl"
     path.write_text(json.dumps({"splitspec_distill": 1}) + "\n" + "".join(
         json.dumps({"index": i, "prompt_ids": [10 + i] * 4, "answer_ids": [20 + i] * 6}) + "\n" for i in range(5)))
-    monkeypatch.setattr(trainer, "iter_sharegpt", lambda: iter([[{"role": "user", "content": "hi"}]] * 3))
+    monkeypatch.setattr(data, "iter_sharegpt", lambda: iter([[{"role": "user", "content": "hi"}]] * 3))
     cfg = TrainConfig(drafter="moa", target="t", out=tmp_path, heldout=1, max_tokens=10**6,
                       data=f"{path}[1:3],{path}[4:]")
     examples, _ = trainer.load_examples(cfg, tokenizer=None)

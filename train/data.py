@@ -113,3 +113,11 @@ def split_heldout(conversations: list, heldout: int, seed: int) -> tuple[list, l
     random.Random(seed).shuffle(order)
     held = set(order[:heldout])
     return ([c for i, c in enumerate(conversations) if i not in held], [conversations[i] for i in sorted(held)])
+
+
+def sharegpt_split(heldout: int, seed: int, conversations: list | None = None) -> tuple[list, list]:
+    """(training, held-out) conversations of ShareGPT, or of `conversations` where a test gives its
+    own: `split_heldout`, so `train`, `distill-data` and `draft-vocab` hold out the same ones for a
+    given (heldout, seed), whatever the data or budget of a run."""
+    convs = conversations if conversations is not None else list(iter_sharegpt())
+    return split_heldout(convs, heldout, seed)

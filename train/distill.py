@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .data import Example, iter_sharegpt, split_heldout
+from .data import Example, sharegpt_split
 
 TURNS = ("first", "later")
 
@@ -56,8 +56,7 @@ class DistillConfig:
 def _prompts(cfg: DistillConfig, tokenizer, conversations: list | None) -> list[list[int]]:
     from splitspec.shared.models import encode_chat
 
-    convs = conversations if conversations is not None else list(iter_sharegpt())
-    train_convs, _ = split_heldout(convs, cfg.heldout, cfg.seed)
+    train_convs, _ = sharegpt_split(cfg.heldout, cfg.seed, conversations)
     prompts = []
     for conv in train_convs:
         ids = encode_chat(tokenizer, [conv[0]]) if cfg.turns == "first" else _later_turn(tokenizer, conv, cfg)

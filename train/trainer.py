@@ -41,7 +41,7 @@ from .batched import (Batch, LossOptions, TargetBatch, batch_chunk_starts, bucke
                       falcon_loss_batch, make_batch, moa_loss_batch, run_target_batch, tli_scale,
                       tokenswift_loss_batch)
 from .clock import RunClock
-from .data import Example, iter_sharegpt, split_heldout, tokenize_conversation
+from .data import Example, sharegpt_split, tokenize_conversation
 from .objectives import EAGLE_NOISE, KL_WEIGHT
 
 FALCON_GLANCE = 1.0  # CSGD: a block keeps its true features with probability min(1, this x pass 1's error rate)
@@ -168,7 +168,7 @@ def load_examples(cfg: TrainConfig, tokenizer) -> tuple[list[Example], list[list
     """Training examples up to the token budget, and held-out ShareGPT conversations
     (deterministic). With distilled data (`cfg.data` a distill-data file) the examples are the
     target's own answers; the held-out conversations stay ShareGPT's."""
-    train_convs, held = _split_conversations(cfg)
+    train_convs, held = sharegpt_split(cfg.heldout, cfg.seed, cfg.conversations)
     rng = random.Random(cfg.seed)
     if cfg.conversations is None and cfg.data != "sharegpt":
         from .distill import load_distilled, parse_data_entry
@@ -191,13 +191,6 @@ def load_examples(cfg: TrainConfig, tokenizer) -> tuple[list[Example], list[list
         if tokens >= cfg.max_tokens:
             break
     return examples, held
-
-
-def _split_conversations(cfg: TrainConfig) -> tuple[list, list]:
-    """(training, held-out) ShareGPT conversations, or the test's own; the held-out ones depend only
-    on the conversations, `cfg.heldout` and `cfg.seed`, not on the data or budget of a run."""
-    convs = cfg.conversations if cfg.conversations is not None else list(iter_sharegpt())
-    return split_heldout(convs, cfg.heldout, cfg.seed)
 
 
 EXAMPLES = "examples.pt"
@@ -381,7 +374,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
         for t in trainees:
             t.eval_parts.restrict_vocab(vocab)
     if cfg.eval_only:  # no training examples to build (or cache)
-        held = _split_conversations(cfg)[1]
+        held = sharegpt_split(cfg.heldout, cfg.seed, cfg.conversations)[1]
     else:
         examples, held = cached_examples(cfg, tokenizer)
         if not examples:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from splitspec.shared.drafters.draft_vocab import count_tokens, coverage, save_counts, top_tokens
 
-from .data import iter_sharegpt, split_heldout, tokenize_conversation
+from .data import sharegpt_split, tokenize_conversation
 
 
 def make_counts(target: str, out: Path, *, heldout: int = 16, seed: int = 0, max_len: int = 2048,
@@ -24,8 +24,7 @@ def make_counts(target: str, out: Path, *, heldout: int = 16, seed: int = 0, max
     from splitspec.shared.models import load_tokenizer, tokenizer_fingerprint
 
     tokenizer = load_tokenizer(target)
-    convs = conversations if conversations is not None else list(iter_sharegpt())
-    train_convs, held = split_heldout(convs, heldout, seed)
+    train_convs, held = sharegpt_split(heldout, seed, conversations)
     if limit is not None:
         train_convs = train_convs[:limit]
 
