@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from splitspec.train.curve import plot, read_histories, table
+from splitspec.train.curve import plot, read_histories, run_styles, table
 
 
 def _write(path, records):
@@ -27,3 +27,10 @@ def test_table_and_plot(tmp_path):
     png = tmp_path / "curve.png"
     plot(histories, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_runs_get_distinct_styles():
+    """Each of 48 runs gets its own (marker, line style): a dozen markers alone made the 13th and 1st
+    run look alike."""
+    runs = [f"session{i}-train{i}" for i in range(48)]
+    assert len(set(run_styles(runs).values())) == 48

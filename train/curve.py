@@ -38,25 +38,30 @@ def table(histories: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
+def run_styles(runs: list[str]) -> dict[str, tuple[str, str]]:
+    """{run: (marker, line style)}, distinct for the first 48 runs."""
+    return {r: ("os^Dv<>p*hXP"[i % 12], ("-", "--", ":", "-.")[i // 12 % 4]) for i, r in enumerate(runs)}
+
+
 def plot(histories: dict[str, list[dict]], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    # One colour per drafter in every panel, one marker per run: a continuation run reads as the
-    # same drafter's curve going on.
+    # One colour per drafter in every panel, one marker and line style per run (48 runs before one
+    # repeats): a continuation run reads as the same drafter's curve going on.
     drafters = sorted({name.split(" (")[0] for name in histories})
     runs = sorted({name.split(" (")[-1] for name in histories})
     colours = {d: f"C{i}" for i, d in enumerate(drafters)}
-    markers = {r: "os^Dv<>p*hXP"[i % 12] for i, r in enumerate(runs)}
+    styles = run_styles(runs)
     fig, axes = plt.subplots(1, len(METRICS), figsize=(5 * len(METRICS), 4))
     for ax, (key, title) in zip(axes, METRICS):
         for name, records in histories.items():
             points = [(r.get("tokens_total", r["tokens"]), r[key]) for r in records if key in r]
             if points:
-                ax.plot(*zip(*points), color=colours[name.split(" (")[0]], marker=markers[name.split(" (")[-1]],
-                        label=name)
+                marker, line = styles[name.split(" (")[-1]]
+                ax.plot(*zip(*points), color=colours[name.split(" (")[0]], marker=marker, linestyle=line, label=name)
         ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(plt.NullFormatter())  # a narrow range labels its minor ticks, overlapping
         ax.set_xlabel("training tokens")
