@@ -215,7 +215,8 @@ def test_distill_data_is_deterministic_and_resumes(stories_path, tmp_path):
     assert (tmp_path / "cut.jsonl").read_text() == a
     assert json.loads(a.splitlines()[0])["temperature"] == 1.0
     header, *records = a.splitlines(keepends=True)
-    old = {k: v for k, v in json.loads(header).items() if k != "turns"}  # written before `turns` existed
+    old = {k: v for k, v in json.loads(header).items()  # written before `turns` and `min_prompt_len` existed
+           if k not in ("turns", "min_prompt_len")}
     assert len(old) < len(json.loads(header))
     (tmp_path / "old.jsonl").write_text(json.dumps(old) + "\n" + "".join(records[:2]))
     distill_data(DistillConfig(out=tmp_path / "old.jsonl", limit=6, **common), convs)
@@ -248,8 +249,15 @@ def test_later_turns_give_the_deepest_history_that_fits(stories):
     assert _prompts(DistillConfig(**common, max_prompt_len=len(second) - 1), tokenizer, [three]) == []
     assert _prompts(DistillConfig(**{**common, "turns": "first"}), tokenizer, [one, three]) == [
         encode_chat(tokenizer, one[:1]), encode_chat(tokenizer, three[:1])]
+    first = dict(common, turns="first")
+    short, long = len(encode_chat(tokenizer, one[:1])), len(encode_chat(tokenizer, three[:1]))
+    assert short != long
+    assert _prompts(DistillConfig(**first, min_prompt_len=max(short, long)), tokenizer, [one, three]) == [
+        encode_chat(tokenizer, (one if short > long else three)[:1])]  # --min-prompt-len: the longer one only
     with pytest.raises(ValueError, match="turns"):
         DistillConfig(target="t", out=Path("x"), turns="all")
+    with pytest.raises(ValueError, match="min_prompt_len"):
+        DistillConfig(target="t", out=Path("x"), max_prompt_len=256, min_prompt_len=300)
 
 
 def test_several_distilled_files_are_pooled(tmp_path, monkeypatch):

@@ -138,6 +138,9 @@ def _add_distill_parser(sub) -> None:
     p.add_argument("--limit", type=int, default=1000, help="prompts to answer (a larger --limit on an existing file appends; a last batch an earlier --limit cut short is answered again whole)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--max-prompt-len", type=int, default=256)
+    p.add_argument("--min-prompt-len", type=int, default=0,
+                   help="skip shorter prompts: e.g. 257 with --max-prompt-len 1024 gives the long-context prompts a "
+                        "file written with the default 256 left out (train with a --max-len that holds them)")
     p.add_argument("--turns", default="first", choices=["first", "later"],
                    help="first: answer each conversation's first user turn; later: its deepest later user turn "
                         "whose history fits --max-prompt-len (multi-turn prompts)")
@@ -155,7 +158,8 @@ def cmd_distill(args) -> None:
     from splitspec.train.distill import DistillConfig, distill_data
 
     cfg = DistillConfig(target=args.target, out=Path(args.out), limit=args.limit, batch=args.batch,
-                        max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens,
+                        max_prompt_len=args.max_prompt_len, min_prompt_len=args.min_prompt_len,
+                        max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, heldout=args.heldout, seed=args.seed,
                         dtype=args.dtype, device=args.device, turns=args.turns)
     print(json.dumps(distill_data(cfg)))

@@ -6,8 +6,10 @@ the gain; Medusa-2 §3.3 "self-distillation"; HASS). For each training conversat
 split of `splitspec train` is left out) the target answers one user turn with batched generation:
 with `turns="first"` the first turn alone; with `turns="later"` the deepest later user turn whose
 whole history (ShareGPT's own earlier turns, answers included) fits `max_prompt_len`, which gives
-multi-turn, longer-context prompts — conversations with one user turn are skipped. Each record is
-one JSON line of token ids:
+multi-turn, longer-context prompts — conversations with one user turn are skipped. Prompts shorter
+than `min_prompt_len` are skipped too, so a second file (say 257-1024 tokens) can hold the long
+documents (summaries, retrieval) a first one with the default 256 left out. Each record is one JSON
+line of token ids:
 
     {"index": i, "prompt_ids": [...], "answer_ids": [...]}
 
@@ -35,6 +37,7 @@ class DistillConfig:
     limit: int = 1000  # prompts
     batch: int = 16
     max_prompt_len: int = 256
+    min_prompt_len: int = 0  # e.g. 257 with a longer max_prompt_len: only the prompts a 256 file left out
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
@@ -47,6 +50,9 @@ class DistillConfig:
     def __post_init__(self):
         if self.turns not in TURNS:
             raise ValueError(f"turns must be one of {TURNS}, not {self.turns!r}")
+        if not 0 <= self.min_prompt_len <= self.max_prompt_len:
+            raise ValueError(f"need 0 <= min_prompt_len <= max_prompt_len, got {self.min_prompt_len} and "
+                             f"{self.max_prompt_len}")
 
     def header(self, model_id: str) -> dict:
         settings = {k: v for k, v in asdict(self).items() if k not in ("out", "limit")}  # a resume may extend
@@ -60,7 +66,7 @@ def _prompts(cfg: DistillConfig, tokenizer, conversations: list | None) -> list[
     prompts = []
     for conv in train_convs:
         ids = encode_chat(tokenizer, [conv[0]]) if cfg.turns == "first" else _later_turn(tokenizer, conv, cfg)
-        if ids is not None and len(ids) <= cfg.max_prompt_len:
+        if ids is not None and cfg.min_prompt_len <= len(ids) <= cfg.max_prompt_len:
             prompts.append(ids)
         if len(prompts) >= cfg.limit:
             break
@@ -130,6 +136,7 @@ def distill_data(cfg: DistillConfig, conversations: list | None = None) -> dict:
     if done or cfg.out.exists() and cfg.out.stat().st_size:
         first = json.loads(cfg.out.read_text().splitlines()[0])
         first.setdefault("turns", "first")  # files written before `turns` existed
+        first.setdefault("min_prompt_len", 0)  # or before `min_prompt_len`
         if first != header:
             raise ValueError(f"{cfg.out} was written with other settings: {first}")
     else:
