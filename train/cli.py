@@ -135,7 +135,9 @@ def _add_distill_parser(sub) -> None:
     p = sub.add_parser("distill-data", help="write the target's own answers to ShareGPT prompts (token ids, JSONL)")
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--out", required=True, help="JSONL file (appended to; resumable)")
-    p.add_argument("--limit", type=int, default=1000, help="prompts to answer (a larger --limit on an existing file appends; a last batch an earlier --limit cut short is answered again whole)")
+    p.add_argument("--limit", type=int, default=1000,
+                   help="prompts to answer (a larger --limit on an existing file appends; a last batch an earlier "
+                        "--limit cut short is answered again whole)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--max-prompt-len", type=int, default=256)
     p.add_argument("--min-prompt-len", type=int, default=0,
