@@ -4,9 +4,10 @@ the memory-bandwidth floor of the weights, side by side in one run (issue 11).
 Measured here, in one process:
 - memory bandwidth: a large tensor copy (read + write), best of several;
 - the floor of one step: the weights' bytes read once at that bandwidth;
-- a verify forward after a `--context`-token prefix with 1, 5, 9, 25 positions (tree mask and
+- a verify forward after a `--context`-token prefix with 1, 2, 5, 9, 25 positions (tree mask and
   position ids as the runner builds them; the prefix cache copied outside the timed region), per
-  dtype, median of `--repeats`;
+  dtype and per linear-layer backend (`--linear`: transformers' nn.Linear, which runs MKL's sgemm,
+  and oneDNN with prepacked weights), median of `--repeats`;
 - how often greedy decoding through the verifier differs from the same dtype's plain
   `generate()` (bf16 rounding depends on matmul shapes, which a tree forward changes): answers to
   `--prompts` Spec-Bench prompts with the ngram drafter, and where they first differ;
@@ -24,12 +25,13 @@ import torch
 from transformers import DynamicCache
 
 from splitspec.shared.models import encode_chat, load_model
+from splitspec.shared.packed_linear import onednn_available
 from splitspec.shared.reference import target_greedy
 from splitspec.shared.tree import DraftTree, tree_buffers
 
 from .prompts import load_prompts
 
-POSITIONS = (1, 5, 9, 25)
+POSITIONS = (1, 2, 5, 9, 25)
 
 
 def copy_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
@@ -103,37 +105,48 @@ def _differ(diffs: list[int | None]) -> str:
 
 def cmd_verify_cost(args) -> None:
     torch.set_num_threads(args.threads)
-    model32, tokenizer, model_id = load_model(args.target)
-    dtypes = {"float32": model32, "bfloat16": load_model(args.target, dtype="bfloat16")[0]}
+    linears = [b.strip() for b in args.linear.split(",") if b.strip()]
+    if "onednn" in linears and not onednn_available():
+        print("verify-cost: this torch build has no oneDNN prepacked linear; measuring torch only", file=sys.stderr)
+        linears = [b for b in linears if b != "onednn"]
+    variants, tokenizer, model_id = {}, None, args.target
+    for dtype in ("float32", "bfloat16"):
+        for linear in linears:
+            model, tokenizer, model_id = load_model(args.target, dtype=dtype, linear=linear)
+            variants[(dtype, linear)] = model
     bandwidth = copy_bandwidth_gbs()
     texts = load_prompts(["spec_bench"], 1, args.spec_bench)[: args.prompts]
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": p["text"]}]) for p in texts]
     lines = [f"target {model_id}, {args.threads} torch threads, context {args.context} tokens, median of "
-             f"{args.repeats}; copy bandwidth {bandwidth:.1f} GB/s (read + write)", "",
-             "| dtype | weights MB | floor ms | " + " | ".join(f"{n} pos ms" for n in POSITIONS)
-             + " | 1 pos / floor | 25 pos / 1 pos | greedy answers differing from generate() | ngram decoding tok/s |",
-             "|---|---|---|" + "---|" * len(POSITIONS) + "---|---|---|---|"]
-    goals, compiled_rows = [], []
-    for name, model in dtypes.items():
+             f"{args.repeats}; copy bandwidth {bandwidth:.1f} GB/s (read + write); linear layers: torch = "
+             "transformers' nn.Linear (MKL), onednn = prepacked (shared/packed_linear.py)", "",
+             "| dtype | linear | weights MB | floor ms | " + " | ".join(f"{n} pos ms" for n in POSITIONS)
+             + " | 1 pos / floor | 25 pos / 1 pos | 1 pos vs torch | greedy answers differing from generate() "
+             "| ngram decoding tok/s |",
+             "|---|---|---|---|" + "---|" * len(POSITIONS) + "---|---|---|---|---|"]
+    goals, compiled_rows, one_pos = [], [], {}
+    for (name, linear), model in variants.items():
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         floor = weights / (bandwidth / 2 * 1e9) * 1e3  # read once at the copy's read rate
         timed = {n: step_ms(model, args.context, n, args.repeats) for n in POSITIONS}
         times = {n: t for n, (t, _) in timed.items()}
-        print(f"{name}: " + ", ".join(f"{n} pos {t:.1f} ms" for n, t in times.items()), file=sys.stderr)
+        one_pos.setdefault(name, times[1])
+        print(f"{name} {linear}: " + ", ".join(f"{n} pos {t:.1f} ms" for n, t in times.items()), file=sys.stderr)
         diffs, tok_s = greedy_mismatches(model, tokenizer, prompts, args.new_tokens)
-        lines.append(f"| {name} | {weights / 1e6:.0f} | {floor:.1f} | "
+        lines.append(f"| {name} | {linear} | {weights / 1e6:.0f} | {floor:.1f} | "
                      + " | ".join(f"{times[n]:.1f}" for n in POSITIONS)
-                     + f" | {times[1] / floor:.2f}x | {times[25] / times[1]:.2f}x | {_differ(diffs)} | {tok_s:.1f} |")
-        goals.append(f"- {name}: 25-position verify / one-position step = {times[25] / times[1]:.2f}x (goal <= 1.3x: "
-                     f"{'met' if times[25] / times[1] <= 1.3 else 'missed'}); one-position step / floor = "
+                     + f" | {times[1] / floor:.2f}x | {times[25] / times[1]:.2f}x | {one_pos[name] / times[1]:.2f}x "
+                     f"| {_differ(diffs)} | {tok_s:.1f} |")
+        goals.append(f"- {name} {linear}: 25-position verify / one-position step = {times[25] / times[1]:.2f}x (goal "
+                     f"<= 1.3x: {'met' if times[25] / times[1] <= 1.3 else 'missed'}); one-position step / floor = "
                      f"{times[1] / floor:.2f}x (goal <= 2x: {'met' if times[1] / floor <= 2 else 'missed'})")
-        if args.compile:
+        if args.compile and linear == "torch":
             row, ratio = _compiled_row(name, model, args, timed)
             compiled_rows.append(row)
             goals.append(f"- {name} compiled: 25-position verify / one-position step = {ratio:.2f}x (goal <= 1.3x: "
                          f"{'met' if ratio <= 1.3 else 'missed'})")
-    if args.compile:
-        lines += ["", "torch.compile (inductor, dynamic shapes) beside eager, same inputs:", "",
+    if compiled_rows:
+        lines += ["", "torch.compile (inductor, dynamic shapes, torch linear layers) beside eager, same inputs:", "",
                   "| dtype | compile + first calls s | " + " | ".join(f"{n} pos ms (eager)" for n in POSITIONS)
                   + " | 25 pos / 1 pos | largest logit difference from eager |",
                   "|---|---|" + "---|" * len(POSITIONS) + "---|---|", *compiled_rows]

@@ -25,6 +25,9 @@ def add_server_parsers(sub, behind_link=None) -> None:
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--linear", default="auto", choices=["auto", "onednn", "torch"],
+                   help="CPU linear layers: oneDNN with prepacked weights (auto: where it works) or torch's "
+                        "nn.Linear; env SPLITSPEC_LINEAR sets auto's choice for every command")
     p.add_argument("--max-sessions", type=int, default=ServerLimits.max_sessions)
     p.add_argument("--max-tree-nodes", type=int, default=ServerLimits.max_tree_nodes)
     p.add_argument("--max-context", type=int, default=None)
@@ -120,7 +123,8 @@ def cmd_serve(args, behind_link=None) -> None:
 
     serve_kw = dict(security=server_security(args), grace_s=args.grace, metrics_port=args.metrics_port,
                     metrics_host=args.metrics_host)
-    model, tokenizer, model_id = load_model(args.target, device=args.device, dtype=args.dtype)
+    model, tokenizer, model_id = load_model(args.target, device=args.device, dtype=args.dtype,
+                                           linear=args.linear)
     lsa_modules = hosted_lsa_modules(args.lsa, args.target, model, tokenizer, model_id, args.device)
     limits = server_limits(args)
     runner = TargetRunner(model, tokenizer, model_id, lsa_modules)

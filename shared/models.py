@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from .packed_linear import pack_linears
+
 log = logging.getLogger(__name__)
 
 DEFAULT_TARGET = "smollm2-135m"
@@ -218,13 +220,17 @@ def _with_template(tokenizer):
     return tokenizer
 
 
-def load_model(name: str, *, device: str = "cpu", dtype: str | torch.dtype = "float32"):
+def load_model(name: str, *, device: str = "cpu", dtype: str | torch.dtype = "float32", linear: str = "auto"):
     """Load a causal LM for inference (eval mode, no grad), honouring `@layers=N`.
+
+    On the CPU its linear layers are prepacked for oneDNN (`linear`, see shared/packed_linear.py:
+    "auto", "onednn" or "torch" for transformers' own `nn.Linear`).
 
     Returns:
         (model, tokenizer, model_id)
     Raises:
-        ValueError: `@layers=N` larger than the model's layer count.
+        ValueError: `@layers=N` larger than the model's layer count, or an unknown `linear`.
+        RuntimeError: `linear="onednn"` where oneDNN cannot serve the model.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -236,6 +242,8 @@ def load_model(name: str, *, device: str = "cpu", dtype: str | torch.dtype = "fl
         early_exit(model, spec.layers)
         model_id = f"{model_id}@layers={spec.layers}"
     model.to(device).eval().requires_grad_(False)
+    if torch.device(device).type == "cpu":
+        pack_linears(model, linear)
     tokenizer = _with_template(AutoTokenizer.from_pretrained(path))
     return model, tokenizer, model_id
 

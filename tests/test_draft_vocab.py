@@ -43,8 +43,10 @@ def test_restricted_head(stories):
     parts.restrict_vocab(ids)
     kept = parts.head(hidden)
     assert kept.shape == full.shape
-    # exactly the LM head's rows for `ids`, in their places (the full product rounds differently)
-    assert torch.equal(kept[..., ids], torch.nn.functional.linear(hidden, model.lm_head.weight[ids]))
+    # the LM head's rows for `ids`, in their places (the full product, and oneDNN's prepacked one
+    # where the head is packed, round differently in the last bits)
+    torch.testing.assert_close(kept[..., ids], torch.nn.functional.linear(hidden, model.lm_head.weight[ids]),
+                               rtol=1e-5, atol=1e-5)
     others = torch.ones(full.shape[-1], dtype=torch.bool)
     others[ids] = False
     assert torch.isinf(kept[..., others]).all() and (kept[..., others] < 0).all()

@@ -11,6 +11,7 @@ from splitspec.shared.drafters.shipped import target_folder
 from splitspec.shared.drafters.spec import DEFAULT_DRAFT_VOCAB, SELF_DRAFTING, DrafterSpec
 from splitspec.shared.drafters.target_parts import TargetParts
 from splitspec.shared.models import load_model, load_tokenizer, tokenizer_fingerprint
+from splitspec.shared.packed_linear import pack_linears
 from splitspec.v1 import verify_pb2 as pb
 
 from .base import Drafter, NoDrafter
@@ -83,6 +84,8 @@ def _self_drafter(spec: DrafterSpec, *, target_fingerprint: str, target: str | N
     _, module, meta = load_checkpoint(path, identity, dtype=dtype)
     if meta["kind"] != spec.kind:
         raise ValueError(f"{path} holds a {meta['kind']} drafter, not {spec.kind}")
+    if next(module.parameters()).device.type == "cpu":
+        pack_linears(module)  # drafting runs the same few-row products a decode step does
     parts = TargetParts(target_model, module.config.tli if spec.kind == "moa" else 0)
     parts.restrict_vocab(draft_vocab_ids(target, spec.vocab, target_fingerprint))
     quantization = FEATURE_QUANT[spec.quant]

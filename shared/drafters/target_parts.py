@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from splitspec.shared.packed_linear import PackedLinear
+
 
 class TargetParts(nn.Module):
     """embed [V, E], lm_head, norm, and the target's decoder layers L-N .. L-1 (N = `tli`)."""
@@ -26,8 +28,7 @@ class TargetParts(nn.Module):
         self.layers = nn.ModuleList(decoder.layers[layers - tli:]) if tli else nn.ModuleList()
         self.rotary = decoder.rotary_emb
         self.draft_vocab: torch.Tensor | None = None  # ids [N] the drafter may propose; None = all
-        self._draft_weight: torch.Tensor | None = None
-        self._draft_bias: torch.Tensor | None = None
+        self._draft_head: nn.Linear | None = None  # the LM head's rows for draft_vocab
         self.requires_grad_(False)
 
     def restrict_vocab(self, ids: torch.Tensor | None) -> None:
@@ -38,7 +39,7 @@ class TargetParts(nn.Module):
             ValueError: ids empty, repeated or outside the vocabulary.
         """
         if ids is None:
-            self.draft_vocab = self._draft_weight = self._draft_bias = None
+            self.draft_vocab = self._draft_head = None
             return
         vocab = self.lm_head.weight.shape[0]
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.lm_head.weight.device)
@@ -46,16 +47,19 @@ class TargetParts(nn.Module):
                 or int(ids.min()) < 0 or int(ids.max()) >= vocab:
             raise ValueError(f"a draft vocabulary must be distinct ids in [0, {vocab})")
         self.draft_vocab = ids
-        self._draft_weight = self.lm_head.weight[ids].clone()
-        bias = getattr(self.lm_head, "bias", None)
-        self._draft_bias = bias[ids].clone() if bias is not None else None
+        weight, bias = self.lm_head.weight, getattr(self.lm_head, "bias", None)
+        head = nn.Linear(weight.shape[1], ids.numel(), bias=bias is not None, device=weight.device, dtype=weight.dtype)
+        head.weight = nn.Parameter(weight.detach()[ids].clone(), requires_grad=False)
+        if bias is not None:
+            head.bias = nn.Parameter(bias.detach()[ids].clone(), requires_grad=False)
+        self._draft_head = PackedLinear.convert(head) if isinstance(self.lm_head, PackedLinear) else head
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Drafting logits [..., V] of final normed states [..., E]: the LM head, or with a draft
         vocabulary its rows for those ids and -inf for every other token."""
         if self.draft_vocab is None:
             return self.lm_head(hidden)
-        kept = torch.nn.functional.linear(hidden, self._draft_weight, self._draft_bias)
+        kept = self._draft_head(hidden)
         logits = kept.new_full((*hidden.shape[:-1], self.lm_head.weight.shape[0]), float("-inf"))
         return logits.index_copy_(-1, self.draft_vocab, kept)
 
