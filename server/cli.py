@@ -104,6 +104,7 @@ def hosted_lsa_modules(names: list[str], target: str, model, tokenizer, model_id
         CheckpointMismatch: a checkpoint trained for another target.
     """
     from splitspec.shared.drafters.checkpoint import TargetIdentity, checkpoint_id, load_checkpoint
+    from splitspec.shared.packed_linear import pack_linears
 
     identity = TargetIdentity.of(model, tokenizer, model_id)
     modules = {}
@@ -112,7 +113,10 @@ def hosted_lsa_modules(names: list[str], target: str, model, tokenizer, model_id
         kind, module, _ = load_checkpoint(path, identity, dtype=model.dtype)
         if kind != "moa":
             raise ValueError(f"--lsa {name}: {path} is a {kind} checkpoint, not moa")
-        modules[checkpoint_id(path)] = module.to(device)
+        module = module.to(device)
+        if device == "cpu":
+            pack_linears(module)  # LSA runs over every committed position's layer stack each step
+        modules[checkpoint_id(path)] = module
     return modules
 
 

@@ -150,11 +150,13 @@ class TreeConfig:
     verify the `max_nodes` best nodes overall.
 
     Defaults (depth 2, top-2, 4 nodes) were measured on the project's 2-core CPU with the shipped
-    SmolLM2-135M drafters (README, "Draft trees on a 2-core CPU"): there a verify of 5 positions
-    costs ~1.6-1.9 single-token forwards and each tree level a drafter pass, while these drafters'
-    tokens past depth 2 are rarely accepted (held-out top-1 agreement 0.18-0.26). Among 5x4x24,
-    4x3x12, 4x2x8, 3x2x6, 5x2x10, 2x3x5, 3x1x3 and 2x2x4 the last was fastest single-device and
-    over the 4g link. Stronger drafters (or a GPU server) want deeper, wider trees: `--tree-*`.
+    SmolLM2-135M drafters (README, "Draft trees on a 2-core CPU"): each tree level costs a drafter
+    pass, while these drafters' tokens past depth 2 are rarely accepted. Among 5x4x24, 4x3x12, 4x2x8,
+    3x2x6, 5x2x10, 2x3x5, 3x1x3 and 2x2x4 the last was fastest single-device and over the 4g link
+    when a 5-position verify cost ~1.6-1.9 decode steps; with prepacked linears (a 5-position verify
+    ~1.0-1.1 steps, session 21) 1x4x4, 2x3x6, 2x4x8 and 2x3x9 tie with it within noise and deeper
+    trees still lose (docs/benchmarks.md). Stronger drafters (or a GPU server) want deeper, wider
+    trees: `--tree-*`.
     """
 
     depth: int = 2
