@@ -60,6 +60,17 @@ def test_a_weight_changed_in_place_is_repacked():
     torch.testing.assert_close(got, F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)
 
 
+def test_a_weight_replaced_by_a_dtype_change_is_repacked():
+    model = _model("qwen2")
+    pack_linears(model, "onednn")
+    model.to(torch.bfloat16)
+    x = torch.randn(2, 3, model.config.hidden_size).to(torch.bfloat16)
+    head = model.lm_head
+    with torch.no_grad():
+        got = head(x)
+    torch.testing.assert_close(got.float(), F.linear(x, head.weight).float(), rtol=3e-2, atol=3e-2)
+
+
 def test_autograd_and_autocast_take_torchs_path():
     linear = PackedLinear.convert(_linear())
     linear.requires_grad_(True)
