@@ -67,8 +67,8 @@ class PackedLinear(nn.Linear):
         return weight.data_ptr(), weight.dtype, weight._version
 
     def _usable(self, x: torch.Tensor) -> bool:
-        weight = self.weight
-        if x.device.type != "cpu" or weight.device.type != "cpu" or x.dtype != weight.dtype:
+        weight = self.weight  # checked once per call: keep it to attribute reads (~14k calls per 100 tokens)
+        if not (x.is_cpu and weight.is_cpu) or x.dtype != weight.dtype:
             return False
         if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):
             return False
@@ -77,11 +77,11 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._usable(x):
             return F.linear(x, self.weight, self.bias)
-        if self._packed is None or self._packed_key != self._weight_key():
+        if self._packed_key != self._weight_key():
             self._pack()  # changed in place, or replaced by `.to(dtype)` / `load_state_dict`
-        rows = x.reshape(-1, x.shape[-1])
-        out = torch.ops.mkldnn._linear_pointwise(rows, self._packed, self.bias, "none", [], "")
-        return out.reshape(*x.shape[:-1], self.out_features)
+        shape = x.shape
+        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self._packed, self.bias, "none", [], "")
+        return out.view(*shape[:-1], self.out_features)
 
 
 def pack_linears(module: nn.Module, backend: str = "auto") -> int:
