@@ -97,6 +97,10 @@ def greedy_mismatches(model, tokenizer, prompts: list[list[int]], new_tokens: in
     return out, tokens / seconds
 
 
+def _ratio(base: float | None, ms: float) -> str:
+    return f"{base / ms:.2f}x" if base is not None else "-"
+
+
 def _differ(diffs: list[int | None]) -> str:
     differ = [d for d in diffs if d is not None]
     where = f" (first at token {', '.join(map(str, differ))})" if differ else ""
@@ -105,7 +109,10 @@ def _differ(diffs: list[int | None]) -> str:
 
 def cmd_verify_cost(args) -> None:
     torch.set_num_threads(args.threads)
-    linears = [b.strip() for b in args.linear.split(",") if b.strip()]
+    asked = {b.strip() for b in args.linear.split(",") if b.strip()}
+    if asked - {"torch", "onednn"}:
+        raise SystemExit(f"verify-cost --linear {args.linear}: expected torch and/or onednn")
+    linears = [b for b in ("torch", "onednn") if b in asked]  # torch first: the "1 pos vs torch" column's base
     if "onednn" in linears and not onednn_available():
         print("verify-cost: this torch build has no oneDNN prepacked linear; measuring torch only", file=sys.stderr)
         linears = [b for b in linears if b != "onednn"]
@@ -130,12 +137,13 @@ def cmd_verify_cost(args) -> None:
         floor = weights / (bandwidth / 2 * 1e9) * 1e3  # read once at the copy's read rate
         timed = {n: step_ms(model, args.context, n, args.repeats) for n in POSITIONS}
         times = {n: t for n, (t, _) in timed.items()}
-        one_pos.setdefault(name, times[1])
+        if linear == "torch":
+            one_pos[name] = times[1]
         print(f"{name} {linear}: " + ", ".join(f"{n} pos {t:.1f} ms" for n, t in times.items()), file=sys.stderr)
         diffs, tok_s = greedy_mismatches(model, tokenizer, prompts, args.new_tokens)
         lines.append(f"| {name} | {linear} | {weights / 1e6:.0f} | {floor:.1f} | "
                      + " | ".join(f"{times[n]:.1f}" for n in POSITIONS)
-                     + f" | {times[1] / floor:.2f}x | {times[25] / times[1]:.2f}x | {one_pos[name] / times[1]:.2f}x "
+                     + f" | {times[1] / floor:.2f}x | {times[25] / times[1]:.2f}x | {_ratio(one_pos.get(name), times[1])} "
                      f"| {_differ(diffs)} | {tok_s:.1f} |")
         goals.append(f"- {name} {linear}: 25-position verify / one-position step = {times[25] / times[1]:.2f}x (goal "
                      f"<= 1.3x: {'met' if times[25] / times[1] <= 1.3 else 'missed'}); one-position step / floor = "

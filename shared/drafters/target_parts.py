@@ -48,7 +48,8 @@ class TargetParts(nn.Module):
             raise ValueError(f"a draft vocabulary must be distinct ids in [0, {vocab})")
         self.draft_vocab = ids
         weight, bias = self.lm_head.weight, getattr(self.lm_head, "bias", None)
-        head = nn.Linear(weight.shape[1], ids.numel(), bias=bias is not None, device=weight.device, dtype=weight.dtype)
+        # on "meta": no random init of a [N, E] weight that is replaced at once
+        head = nn.Linear(weight.shape[1], ids.numel(), bias=bias is not None, device="meta", dtype=weight.dtype)
         head.weight = nn.Parameter(weight.detach()[ids].clone(), requires_grad=False)
         if bias is not None:
             head.bias = nn.Parameter(bias.detach()[ids].clone(), requires_grad=False)
