@@ -23,12 +23,21 @@ print(f"{clock.elapsed():.3f} {time.monotonic() - start:.3f} {clock.paused_s:.3f
 """
 
 
-def _pause_child(stop_signal: int, pause_s: float = 1.5) -> tuple[float, float, float]:
-    child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+def _state(pid: int) -> str:
+    """The process state letter from /proc (T: stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _pause_child(stop_signal: int, pause_s: float = 1.5, new_session: bool = False) -> tuple[float, float, float]:
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             start_new_session=new_session)
     try:
         assert child.stdout.readline().strip() == "ready"
         os.kill(child.pid, stop_signal)
         time.sleep(pause_s)
+        if os.path.exists(f"/proc/{child.pid}/stat"):
+            assert _state(child.pid) == "T", "the paused run is still running"
         os.kill(child.pid, signal.SIGCONT)
         time.sleep(0.2)  # let the SIGCONT handler run before asking
         out, _ = child.communicate("go\n", timeout=30)
@@ -39,8 +48,11 @@ def _pause_child(stop_signal: int, pause_s: float = 1.5) -> tuple[float, float, 
     return counted, wall, paused
 
 
-def test_sigtstp_pause_is_not_counted():
-    counted, wall, paused = _pause_child(signal.SIGTSTP)
+@pytest.mark.parametrize("new_session", [False, True], ids=["foreground", "orphaned-group"])
+def test_sigtstp_pause_is_not_counted(new_session):
+    """In its own session (as `nohup splitspec train ... &` from a script that has exited) the run's
+    process group is orphaned and the kernel discards a default-action SIGTSTP: it must still stop."""
+    counted, wall, paused = _pause_child(signal.SIGTSTP, new_session=new_session)
     assert wall >= 1.5
     assert paused >= 1.3
     assert counted == pytest.approx(wall - paused, abs=0.05)

@@ -52,13 +52,12 @@ class RunClock:
 
     def _on_tstp(self, signum, frame) -> None:
         self._stopped_at = time.monotonic()
-        # stop for real: the default action of SIGTSTP, then ours again once SIGCONT arrives
-        signal.signal(signal.SIGTSTP, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTSTP)
+        # stop for real with SIGSTOP: the kernel discards a SIGTSTP whose default action would stop a
+        # process in an orphaned process group (any `nohup ... &` started from a script that has
+        # exited), so re-raising SIGTSTP would leave such a run going while the clock counts a pause
+        os.kill(os.getpid(), signal.SIGSTOP)
 
     def _on_cont(self, signum, frame) -> None:
         if self._stopped_at is not None:
             self._paused_s += time.monotonic() - self._stopped_at
             self._stopped_at = None
-        if signal.SIGTSTP in self._previous:
-            signal.signal(signal.SIGTSTP, self._on_tstp)
