@@ -184,6 +184,26 @@ def test_checkpoint_round_trip(trained, stories, tiny_random):
         load_checkpoint(path, other)
 
 
+def test_learned_lsa_pooling_round_trips(stories, tmp_path):
+    """A learned-pooling MoA checkpoint loads with its layer weights (the runtime and the server's
+    hosted LSA build it from the card); a config without `lsa_pool` is a mean one; a bad pool is refused."""
+    model, tokenizer, model_id = stories
+    identity = TargetIdentity.of(model, tokenizer, model_id)
+    torch.manual_seed(4)
+    drafter = MoADrafter(MoAConfig.from_target(model.config, lsa_pool="learned"))
+    with torch.no_grad():
+        drafter.lsa_layer_logits.copy_(torch.randn(model.config.num_hidden_layers))
+    save_checkpoint(tmp_path / "learned", "moa", drafter, identity, {"tokens": 1})
+    kind, module, meta = load_checkpoint(tmp_path / "learned", identity)
+    assert kind == "moa" and meta["config"]["lsa_pool"] == "learned"
+    layer_kv = torch.randn(3, model.config.num_hidden_layers, drafter.config.kv_width)
+    torch.testing.assert_close(module.memory(layer_kv), drafter.bfloat16().float().memory(layer_kv))
+    plain = {k: v for k, v in meta["config"].items() if k != "lsa_pool"}
+    assert MoAConfig(**plain).lsa_pool == "mean" and not hasattr(MoADrafter(MoAConfig(**plain)), "lsa_layer_logits")
+    with pytest.raises(ValueError, match="lsa_pool"):
+        MoAConfig(**{**plain, "lsa_pool": "max"})
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("quant", [pb.QUANTIZATION_INT8, pb.QUANTIZATION_FP8_E4M3])
 def test_quantized_features_keep_accept_length(trained, chat_stories, serve, quant):

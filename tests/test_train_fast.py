@@ -84,7 +84,11 @@ def test_drafter_list_parsing():
     cfg = TrainConfig(drafter="moa,moa:tli=1,eagle2", target="x", out=None)
     assert [j.name for j in cfg.jobs()] == ["moa-tli0", "moa-tli1", "eagle2"]
     assert TrainConfig(drafter="moa", tli=2, target="x", out=None).jobs() == [DrafterJob("moa", 2)]
-    for bad in ("moa:tli=x", "medusa", "moa,moa", "eagle2:tli=1"):
+    pooled = TrainConfig(drafter="moa,moa:pool=learned,moa:tli=1:pool=learned", target="x", out=None).jobs()
+    assert [j.name for j in pooled] == ["moa-tli0", "moa-tli0-learned", "moa-tli1-learned"]
+    assert pooled[2] == DrafterJob("moa", 1, "learned")
+    for bad in ("moa:tli=x", "medusa", "moa,moa", "eagle2:tli=1", "moa:pool=max", "moa:tli=1:tli=2",
+                "eagle2:pool=learned", "moa,moa:pool=mean"):
         with pytest.raises(ValueError):
             TrainConfig(drafter=bad, target="x", out=None).jobs()
 
@@ -393,3 +397,41 @@ def test_skip_tokens_leaves_out_the_data_already_seen(stories, tmp_path):
     ids = lambda xs: [tuple(e.input_ids) for e in xs]  # noqa: E731
     assert not set(ids(first)) & set(ids(later))
     assert ids(whole)[: len(first)] == ids(first) and ids(whole)[len(first): len(first) + len(later)] == ids(later)
+
+
+def test_learned_lsa_pooling_starts_as_the_mean_and_learns_faster(stories, stories_path, tmp_path):
+    """moa:pool=learned: warm-started from a mean checkpoint it gives the same memory (zero logits
+    are the mean), a learned checkpoint is not loaded as a mean one, and a run moves the logits at
+    LSA_POOL_LR_SCALE times the drafter's learning rate."""
+    from splitspec.shared.drafters.checkpoint import TargetIdentity, save_checkpoint
+    from splitspec.train.trainer import LSA_POOL_LR_SCALE, initialise
+
+    model, tokenizer, model_id = stories
+    identity = TargetIdentity.of(model, tokenizer, model_id)
+    torch.manual_seed(3)
+    mean = build_drafter(DrafterJob("moa"), model.config)
+    save_checkpoint(tmp_path / "moa-tli0", "moa", mean, identity, {"tokens": 10, "tokens_total": 10})
+    job = DrafterJob("moa", 0, "learned")
+    learned = build_drafter(job, model.config)
+    cfg = TrainConfig(drafter="moa:pool=learned", target="t", out=None,
+                      init=f"moa-tli0-learned={tmp_path / 'moa-tli0'}")
+    assert initialise(cfg, job, learned, identity) == (str(tmp_path / "moa-tli0"), 10, "moa pool=mean")
+    layer_kv = torch.randn(5, model.config.num_hidden_layers, mean.config.kv_width)
+    reloaded = build_drafter(DrafterJob("moa"), model.config)
+    initialise(TrainConfig(drafter="moa", target="t", out=None, init=str(tmp_path / "moa-tli0")),
+               DrafterJob("moa"), reloaded, identity)
+    with torch.no_grad():
+        torch.testing.assert_close(learned.memory(layer_kv), reloaded.memory(layer_kv))
+        learned.lsa_layer_logits[0] = 3.0  # weights that are not uniform change the memory
+        assert not torch.allclose(learned.memory(layer_kv), reloaded.memory(layer_kv), atol=1e-4)
+    save_checkpoint(tmp_path / "learned", "moa", learned, identity, {"tokens": 10, "tokens_total": 10})
+    with pytest.raises(ValueError, match="learned LSA pooling"):
+        initialise(TrainConfig(drafter="moa", target="t", out=None, init=str(tmp_path / "learned")),
+                   DrafterJob("moa"), build_drafter(DrafterJob("moa"), model.config), identity)
+
+    train(_small(stories_path, tmp_path / "run", drafter="moa:pool=learned", max_tokens=200), progress=False)
+    saved = torch.load(tmp_path / "run" / "trainer_state.pt", weights_only=False)["trainees"]["moa-tli0-learned"]
+    groups = saved["optimizer"]["param_groups"]
+    assert [g["lr_scale"] for g in groups] == [1.0, LSA_POOL_LR_SCALE]
+    assert groups[1]["lr"] == pytest.approx(LSA_POOL_LR_SCALE * groups[0]["lr"])
+    assert saved["drafter"]["lsa_layer_logits"].abs().max() > 0

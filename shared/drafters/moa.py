@@ -11,6 +11,10 @@ Trainable parts (this module):
 - CA (§3.1.2): cross-attention, queries from SA, keys/values from the LSA memory of positions the
   target has verified, so one pass predicts several future tokens without new target input
   ("T-step bounded"). Memory keys get rotary at their token position.
+LSA pooling: the paper averages the LSA outputs over layers (`lsa_pool="mean"`, the default and
+every shipped checkpoint). `lsa_pool="learned"` (our departure, measured in docs/training.md) weighs
+them by a softmax over one learned logit per layer instead; the logits start at zero, which is the
+mean exactly, so a mean checkpoint warm-starts it unchanged.
 The output `o` [.., E] predicts the target's activation at layer L - TLI (§3.2): for TLI = 0 the
 final hidden state after the target's norm, fed to the LM head directly; for TLI = N the input of
 decoder layer L - N, which the target's own last N layers (frozen, with their KV cache), final
@@ -32,6 +36,9 @@ from transformers.models.llama.modeling_llama import (
 )
 
 
+LSA_POOLS = ("mean", "learned")
+
+
 @dataclass(frozen=True)
 class MoAConfig:
     """Sizes of the drafter; `from_target` derives them from the target's config."""
@@ -49,9 +56,14 @@ class MoAConfig:
     lsa_kv_heads: int
     lsa_intermediate_size: int
     tli: int = 0
+    lsa_pool: str = "mean"  # "mean" (seed 001) | "learned" (softmax weights over layers)
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.lsa_pool not in LSA_POOLS:
+            raise ValueError(f"lsa_pool must be one of {LSA_POOLS}, got {self.lsa_pool!r}")
 
     @property
     def kv_width(self) -> int:
@@ -59,7 +71,8 @@ class MoAConfig:
         return 2 * self.target_kv_heads * self.target_head_dim
 
     @classmethod
-    def from_target(cls, config, tli: int = 0, intermediate_ratio: float = 2.0) -> "MoAConfig":
+    def from_target(cls, config, tli: int = 0, intermediate_ratio: float = 2.0,
+                    lsa_pool: str = "mean") -> "MoAConfig":
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads = config.num_key_value_heads
@@ -73,7 +86,7 @@ class MoAConfig:
                    intermediate_size=int(config.hidden_size * intermediate_ratio),
                    target_layers=config.num_hidden_layers, target_kv_heads=kv_heads, target_head_dim=head_dim,
                    lsa_heads=lsa_heads, lsa_kv_heads=max(1, lsa_heads // 3) if lsa_heads % 3 == 0 else lsa_heads,
-                   lsa_intermediate_size=2 * width, tli=tli, rms_norm_eps=config.rms_norm_eps,
+                   lsa_intermediate_size=2 * width, tli=tli, lsa_pool=lsa_pool, rms_norm_eps=config.rms_norm_eps,
                    rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
                    max_position_embeddings=config.max_position_embeddings)
 
@@ -167,9 +180,14 @@ class MoADrafter(nn.Module):
         self.sa = LlamaDecoderLayer(main_cfg, layer_idx=0)
         self.rotary = LlamaRotaryEmbedding(main_cfg)
         self.ca = CrossAttentionBlock(main_cfg)
+        if config.lsa_pool == "learned":
+            self.lsa_layer_logits = nn.Parameter(torch.zeros(config.target_layers))
 
     def memory(self, layer_kv: torch.Tensor) -> torch.Tensor:
-        """LSA over layers, mean, projection. layer_kv [N, L, W] -> memory [N, E]."""
+        """LSA over layers, pooling over layers (mean, or learned softmax weights), projection.
+
+        layer_kv [N, L, W] -> memory [N, E].
+        """
         n, layers, _ = layer_kv.shape
         if n == 0:
             return layer_kv.new_zeros(0, self.config.hidden_size)
@@ -177,6 +195,9 @@ class MoADrafter(nn.Module):
         rope = self.lsa_rotary(layer_kv, positions)
         full = layer_kv.new_zeros(1, 1, layers, layers)  # bidirectional across layers
         out = self.lsa(layer_kv, attention_mask=full, position_ids=positions, position_embeddings=rope)
+        if self.config.lsa_pool == "learned":
+            weights = torch.softmax(self.lsa_layer_logits.float(), dim=0).to(out.dtype)  # [L]
+            return self.lsa_out(torch.einsum("nlw,l->nw", out, weights))
         return self.lsa_out(out.mean(dim=1))
 
     def memory_kv(self, memory: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
