@@ -184,6 +184,25 @@ def test_checkpoint_round_trip(trained, stories, tiny_random):
         load_checkpoint(path, other)
 
 
+@pytest.mark.parametrize("pool", ["mean", "learned"])
+def test_lsa_memory_is_per_token_across_chunks(stories, pool):
+    """LSA runs tokens in chunks of LSA_CHUNK: every token's memory is what it gets alone, on
+    either side of a chunk border, with rotary positions shared across the chunk."""
+    from splitspec.shared.drafters.moa import LSA_CHUNK
+
+    model, _, _ = stories
+    torch.manual_seed(5)
+    drafter = MoADrafter(MoAConfig.from_target(model.config, lsa_pool=pool)).eval()
+    if pool == "learned":
+        with torch.no_grad():
+            drafter.lsa_layer_logits.copy_(torch.randn(model.config.num_hidden_layers))
+    layer_kv = torch.randn(2 * LSA_CHUNK + 3, model.config.num_hidden_layers, drafter.config.kv_width)
+    with torch.no_grad():
+        together = drafter.memory(layer_kv)
+        for i in (0, LSA_CHUNK - 1, LSA_CHUNK, 2 * LSA_CHUNK + 2):
+            torch.testing.assert_close(together[i], drafter.memory(layer_kv[i:i + 1])[0], rtol=1e-4, atol=1e-5)
+
+
 def test_learned_lsa_pooling_round_trips(stories, tmp_path):
     """A learned-pooling MoA checkpoint loads with its layer weights (the runtime and the server's
     hosted LSA build it from the card); a config without `lsa_pool` is a mean one; a bad pool is refused."""

@@ -37,6 +37,7 @@ from transformers.models.llama.modeling_llama import (
 
 
 LSA_POOLS = ("mean", "learned")
+LSA_CHUNK = 64  # tokens per LSA pass (see MoADrafter.memory)
 
 
 @dataclass(frozen=True)
@@ -186,19 +187,25 @@ class MoADrafter(nn.Module):
     def memory(self, layer_kv: torch.Tensor) -> torch.Tensor:
         """LSA over layers, pooling over layers (mean, or learned softmax weights), projection.
 
+        Each token's layer stack is its own sequence, so tokens run `LSA_CHUNK` at a time: over a
+        long prompt the block's elementwise work on [N, L, W] is memory-bound, and chunks that stay
+        in cache made the open of a 769-token prompt 1.5x faster (2-core CPU, fp32).
         layer_kv [N, L, W] -> memory [N, E].
         """
         n, layers, _ = layer_kv.shape
         if n == 0:
             return layer_kv.new_zeros(0, self.config.hidden_size)
-        positions = torch.arange(layers, device=layer_kv.device).expand(n, layers)
+        positions = torch.arange(layers, device=layer_kv.device)[None]  # [1, L], broadcast over tokens
         rope = self.lsa_rotary(layer_kv, positions)
         full = layer_kv.new_zeros(1, 1, layers, layers)  # bidirectional across layers
-        out = self.lsa(layer_kv, attention_mask=full, position_ids=positions, position_embeddings=rope)
         if self.config.lsa_pool == "learned":
-            weights = torch.softmax(self.lsa_layer_logits.float(), dim=0).to(out.dtype)  # [L]
-            return self.lsa_out(torch.einsum("nlw,l->nw", out, weights))
-        return self.lsa_out(out.mean(dim=1))
+            weights = torch.softmax(self.lsa_layer_logits.float(), dim=0).to(layer_kv.dtype)  # [L]
+            pool = lambda out: torch.einsum("nlw,l->nw", out, weights)  # noqa: E731
+        else:
+            pool = lambda out: out.mean(dim=1)  # noqa: E731
+        pooled = [pool(self.lsa(chunk, attention_mask=full, position_ids=positions, position_embeddings=rope))
+                  for chunk in layer_kv.split(LSA_CHUNK)]
+        return self.lsa_out(torch.cat(pooled) if len(pooled) > 1 else pooled[0])
 
     def memory_kv(self, memory: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """CA keys/values [1, Hkv, M, Dh] of memory [M, E] at token positions [M]."""
