@@ -126,6 +126,8 @@ def _unusable(linears: list[nn.Linear]) -> str | None:
             return f"a weight on {linear.weight.device}"
         if linear.weight.dtype not in (torch.float32, torch.bfloat16):
             return f"a {linear.weight.dtype} weight"
+        if linear.weight.is_inference():  # no version counter: a later in-place change could not be seen
+            return "a weight created under torch.inference_mode (load the model outside it)"
     probe = linears[0]
     try:
         with torch.no_grad():

@@ -92,6 +92,16 @@ def test_backend_choice():
     assert pack_linears(_model("qwen2").half()) == 0, "auto leaves what it cannot serve to torch"
 
 
+def test_inference_tensor_weights_are_left_to_torch():
+    """Weights made under torch.inference_mode track no version, so an in-place change could not be
+    detected: "auto" leaves them to F.linear, "onednn" refuses by saying why."""
+    with torch.inference_mode():
+        module = nn.Sequential(nn.Linear(8, 4))
+    assert pack_linears(module) == 0 and type(module[0]) is nn.Linear
+    with pytest.raises(RuntimeError, match="inference_mode"):
+        pack_linears(module, "onednn")
+
+
 def test_environment_overrides_auto(monkeypatch):
     monkeypatch.setenv("SPLITSPEC_LINEAR", "torch")
     assert pack_linears(_model("qwen2")) == 0
