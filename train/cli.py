@@ -25,7 +25,7 @@ def _chunk(text: str) -> tuple[int, int]:
 
 def _add_recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", required=True,
-                   help="moa | moa:tli=N | eagle2 | falcon | tokenswift, or a comma list trained together on one target pass")
+                   help="moa | moa:tli=N | moa:pool=learned (softmax layer weights in LSA, not the paper's mean; options join with ':') | eagle2 | falcon | tokenswift, or a comma list trained together on one target pass")
     p.add_argument("--tli", type=int, default=0, help="MoA Target Layer Inference for a single `moa`")
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--data", default="sharegpt",
