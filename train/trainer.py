@@ -517,8 +517,9 @@ def initialise(cfg: TrainConfig, job: DrafterJob, drafter: torch.nn.Module,
     if kind == "moa" and pool != job.lsa_pool:
         if pool != "mean":
             raise ValueError(f"{path} holds a moa drafter with {pool} LSA pooling, not {job.name}'s {job.lsa_pool}")
-        # a mean checkpoint into learned pooling: the logits keep their zero start, the mean exactly
-        drafter.load_state_dict(module.state_dict(), strict=False)
+        # a mean checkpoint into learned pooling: the logits keep their zero start (the mean exactly),
+        # every other weight loads strictly
+        drafter.load_state_dict({**module.state_dict(), "lsa_layer_logits": drafter.lsa_layer_logits.detach()})
         note = ", ".join(filter(None, [note, "moa pool=mean"]))
     else:
         drafter.load_state_dict(module.state_dict())
