@@ -47,7 +47,7 @@ from .report import render_markdown, write_plots
 from .service_process import free_port, start_server, stop_server
 
 WARMUP_TOKENS = 4
-LOCAL_OPTIONS = ("vocab", "tree")  # ;lsa= and ;quant= only exist with a server
+LOCAL_OPTIONS = ("vocab", "tree", "lookup")  # ;lsa= and ;quant= only exist with a server
 
 
 @dataclass(frozen=True)
@@ -229,11 +229,14 @@ def cmd_bench(args) -> None:
         records = run_arms(cfg, prompts, arms, model, tokenizer, meta)
     table = render_markdown(records, meta, cfg)
     print(table)
-    # what adaptive drafters settled on (SWIFT: its skip-set search)
+    # what adaptive drafters settled on (SWIFT: its skip-set search) and what prompt lookup added
     reports = {arm.label: report for arm in arms if (report := _adaptive_report(arm.decoder))}
     for label, report in reports.items():
         if "planner" in report:
             print(f"{label}: trees chosen {report['planner']['chosen']}", file=sys.stderr)
+        if "lookup_steps" in report:
+            print(f"{label}: prompt lookup added {report['lookup_nodes']} nodes over {report['lookup_steps']} steps, "
+                  f"{report['lookup_accepted']} of them accepted", file=sys.stderr)
         if "best" in report:
             print(f"{label}: skips layers {report['best']} (matchness {report['best_matchness']:.3f} after "
                   f"{report['steps']} search steps)", file=sys.stderr)

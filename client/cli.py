@@ -13,7 +13,7 @@ from dataclasses import asdict
 from functools import partial
 
 from splitspec.shared.config import TreeConfig
-from splitspec.shared.drafters.spec import DEFAULT_DRAFT_VOCAB, QUANTIZATIONS, DrafterSpec
+from splitspec.shared.drafters.spec import DEFAULT_DRAFT_VOCAB, DEFAULT_LOOKUP, QUANTIZATIONS, DrafterSpec
 from splitspec.shared.models import DEFAULT_TARGET, chat_sampling_defaults
 from splitspec.shared.sampling import SamplingParams
 
@@ -59,7 +59,7 @@ def add_client_args(p: argparse.ArgumentParser, chat: bool = False) -> None:
                         "falcon[:PATH] | tokenswift[:PATH] | swift[:ratio=R]; auto = the MoA checkpoint shipped for the target, else ngram; swift "
                         "drafts with the target's own layers, so with --server the target's weights must also be "
                         "here (--target), and the server sends every layer's K/V; options ;lsa= ;quant= "
-                        ";vocab= ;tree=DxBxN override the flags below (shared/drafters/spec.py)")
+                        ";vocab= ;tree=DxBxN ;lookup=K override the flags below (shared/drafters/spec.py)")
     p.add_argument("--lsa-placement", default="client", choices=["client", "server"],
                    help="MoA: run Layer Self-Attention here (server sends all layers' K/V) or on the server")
     p.add_argument("--feature-quant", default="fp16", choices=sorted(QUANTIZATIONS),
@@ -67,6 +67,9 @@ def add_client_args(p: argparse.ArgumentParser, chat: bool = False) -> None:
     p.add_argument("--draft-vocab", type=int, default=-1,
                    help="moa/eagle2/falcon/tokenswift: draft among the N most frequent tokens (FR-Spec); 0 = the full vocabulary; "
                         f"default: {DEFAULT_DRAFT_VOCAB} when the target has shipped token counts")
+    p.add_argument("--prompt-lookup", type=int, default=-1, metavar="K",
+                   help="merge a prompt-lookup chain of up to K tokens into each greedy draft tree (0 = off; default: "
+                        f"{DEFAULT_LOOKUP} for every drafter but none and ngram; no effect when sampling)")
     p.add_argument("--no-spec", action="store_true", help="baseline: one target call per token")
     p.add_argument("--max-new-tokens", type=int, default=256)
     if chat:
@@ -129,7 +132,7 @@ def client_config(args):
         top_p = default_top_p if top_p is None else top_p
     tree = TreeConfig(depth=args.tree_depth, top_b=args.tree_top_b, max_nodes=args.tree_nodes)
     drafter = DrafterSpec.parse("none" if args.no_spec else args.drafter, lsa=args.lsa_placement,
-                                quant=args.feature_quant, vocab=args.draft_vocab, tree=tree,
+                                quant=args.feature_quant, vocab=args.draft_vocab, tree=tree, lookup=args.prompt_lookup,
                                 adaptive=args.adaptive_tree)
     return ClientConfig(
         target=args.target, drafter=drafter, server=None if args.local else args.server,

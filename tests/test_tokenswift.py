@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from splitspec.client.drafters import DraftLimits
-from splitspec.client.drafters.tokenswift import NgramIndex, TokenSwiftRuntime, merge_chains
+from splitspec.client.drafters.ngram import merge_chains
+from splitspec.client.drafters.tokenswift import NgramIndex, TokenSwiftRuntime
 from splitspec.client.loop import SpeculativeDecoder
 from splitspec.server.local import LocalVerifier
 from splitspec.server.runner import TargetRunner

@@ -1,7 +1,8 @@
 """The one factory that builds a drafter from its `DrafterSpec` (shared/drafters/spec.py).
 
 moa, eagle2, falcon and tokenswift draft among the target's `spec.vocab` most frequent tokens (FR-Spec; counts in
-client/checkpoints/<target>/token_counts.safetensors, see shared/drafters/draft_vocab.py).
+client/checkpoints/<target>/token_counts.safetensors, see shared/drafters/draft_vocab.py). `spec.lookup_depth` > 0 (the
+default) wraps any drafter but none and ngram in `PromptLookupMerge` (client/drafters/ngram.py).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from .eagle import EagleRuntime
 from .falcon import FalconRuntime
 from .tokenswift import TokenSwiftRuntime
 from .moa import MoARuntime
-from .ngram import NgramDrafter
+from .ngram import NgramDrafter, PromptLookupMerge
 from .swift import SwiftConfig, SwiftDrafter
 
 FEATURE_QUANT = {"fp16": pb.QUANTIZATION_NONE, "int8": pb.QUANTIZATION_INT8, "fp8": pb.QUANTIZATION_FP8_E4M3}
@@ -48,6 +49,14 @@ def make_drafter(spec: DrafterSpec, *, target_fingerprint: str, target: str | No
         CheckpointMismatch: a checkpoint trained for another target.
     """
     spec = spec.resolve(target)
+    drafter = _make(spec, target_fingerprint=target_fingerprint, target=target, target_model=target_model,
+                    device=device, dtype=dtype, seed=seed)
+    return PromptLookupMerge(drafter, spec.lookup_depth) if spec.lookup_depth else drafter
+
+
+def _make(spec: DrafterSpec, *, target_fingerprint: str, target: str | None, target_model, device: str, dtype: str,
+          seed: int) -> Drafter:
+    """The drafter `spec` names, without the prompt-lookup merge (see make_drafter)."""
     if spec.kind in SELF_DRAFTING:
         return _self_drafter(spec, target_fingerprint=target_fingerprint, target=target, target_model=target_model,
                              seed=seed)

@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from splitspec.shared.sampling import SamplingParams
-from splitspec.shared.tree import DraftTree
+from splitspec.shared.tree import ROOT, DraftTree
 
 from .base import DraftLimits, Drafter, Proposal
 
@@ -34,7 +34,7 @@ class NgramDrafter(Drafter):
         if depth < 1:
             return Proposal(DraftTree.empty())
         continuations = self._continuations(np.asarray(context), depth)
-        return Proposal(_trie(continuations, limits.max_nodes))
+        return Proposal(merge_chains(DraftTree.empty(), continuations, limits.max_nodes))
 
     def _continuations(self, ctx: np.ndarray, depth: int) -> list[list[int]]:
         found: list[list[int]] = []
@@ -51,21 +51,101 @@ class NgramDrafter(Drafter):
         return found
 
 
-def _trie(continuations: list[list[int]], max_nodes: int) -> DraftTree:
-    """Merge token sequences into a tree (shared prefixes once), earlier sequences first."""
-    tokens: list[int] = []
-    parents: list[int] = []
-    index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
-    for seq in continuations:
-        parent = -1
-        for tok in seq:
-            node = index.get((parent, tok))
-            if node is None:
-                if len(tokens) == max_nodes:
+def merge_chains(tree: DraftTree, chains: list[Sequence[int]], max_nodes: int) -> DraftTree:
+    """`tree` with each chain added from the root, sharing the nodes it already has (and earlier
+    chains' nodes), within `max_nodes` in all. Existing nodes keep their indices, so a proposal's
+    draft-probability rows stay valid; a chain that reaches the limit is cut there."""
+    tokens, parents = list(tree.tokens), list(tree.parents)
+    child = {(p, t): i for i, (t, p) in enumerate(zip(tokens, parents))}
+    for chain in chains:
+        parent = ROOT
+        for token in chain:
+            token = int(token)
+            if (parent, token) not in child:
+                if len(tokens) >= max_nodes:
                     break
-                node = len(tokens)
-                tokens.append(tok)
+                child[(parent, token)] = len(tokens)
+                tokens.append(token)
                 parents.append(parent)
-                index[(parent, tok)] = node
-            parent = node
+            parent = child[(parent, token)]
     return DraftTree(tuple(tokens), tuple(parents))
+
+
+class PromptLookupMerge(Drafter):
+    """Another drafter's tree with a prompt-lookup chain merged in (greedy decoding only).
+
+    The chain is what `NgramDrafter` would propose (the tokens that followed the most recent earlier
+    occurrence of the context's last 3, else 2, tokens), at most `depth` tokens; it joins the inner
+    drafter's tree from the root, sharing the nodes the two agree on, so it costs verify rows only
+    where it goes beyond the drafter's own guesses. Text that repeats itself or copies from the
+    prompt (summaries, answers quoting a document, code) gets long accepted runs the drafter alone
+    would not draft. Combining model drafts with retrieved continuations follows REST (He et al.
+    2024) and SAM-Decoding (Hu et al. 2024, §3.3: an EAGLE-2 tree plus the suffix-automaton draft);
+    TokenSwift (seed 003 §2.2) merges its n-gram chains the same way.
+
+    Under sampling the inner proposal passes through unchanged: a draft must be drawn from the
+    rows it is judged against (shared/acceptance.py), which a looked-up chain is not. Everything
+    else (features wanted, commits, rollbacks, the tree the planner sets) is the inner drafter's.
+    """
+
+    def __init__(self, inner: Drafter, depth: int, max_ngram: int = 3, min_ngram: int = 2) -> None:
+        if depth < 1:
+            raise ValueError(f"a prompt-lookup chain needs depth >= 1, got {depth}")
+        self.__dict__["inner"] = inner  # before any attribute write reaches __setattr__
+        self.lookup = NgramDrafter(max_ngram, min_ngram, depth=depth)
+        self.name = f"{inner.name}+lookup{depth}"
+        self.feature_request = inner.feature_request
+        self.stats = {"lookup_steps": 0, "lookup_nodes": 0, "lookup_accepted": 0}
+        self._added: dict[tuple[int, ...], int] = {}  # path of each node the chain added -> its depth
+
+    def __getattr__(self, key):  # anything else (e.g. the tree a planner reads) is the inner drafter's
+        return getattr(self.__dict__["inner"], key)
+
+    def __setattr__(self, key, value) -> None:
+        if key == "tree":  # the network-aware planner sets each step's tree on the drafter
+            setattr(self.inner, key, value)
+        else:
+            super().__setattr__(key, value)
+
+    def reset(self, prompt_ids, features) -> None:
+        self._added = {}
+        self.inner.reset(prompt_ids, features)
+
+    def propose(self, context: Sequence[int], limits: DraftLimits, sampling: SamplingParams) -> Proposal:
+        proposal = self.inner.propose(context, limits, sampling)
+        self._added = {}
+        if not sampling.greedy:
+            return proposal
+        depth = min(self.lookup.depth, limits.max_depth)
+        chains = self.lookup._continuations(np.asarray(context), depth) if depth >= 1 else []
+        if not chains:
+            return proposal
+        tree = merge_chains(proposal.tree, chains, limits.max_nodes)
+        if tree.size > proposal.tree.size:
+            self.stats["lookup_steps"] += 1
+            self.stats["lookup_nodes"] += tree.size - proposal.tree.size
+            paths = _paths(tree)
+            self._added = {paths[i]: len(paths[i]) for i in range(proposal.tree.size, tree.size)}
+        return Proposal(tree, proposal.draft_probs)
+
+    def commit(self, new_tokens, features) -> None:
+        if self._added:  # accepted tokens the chain drafted and the inner drafter did not
+            accepted = tuple(new_tokens)[:-1]  # the last one is the bonus token
+            self.stats["lookup_accepted"] += sum(accepted[:n] in self._added for n in range(1, len(accepted) + 1))
+            self._added = {}
+        self.inner.commit(new_tokens, features)
+
+    def rollback(self, length: int) -> None:
+        self._added = {}
+        self.inner.rollback(length)
+
+    def report(self) -> dict:
+        return {**self.inner.report(), **self.stats}
+
+
+def _paths(tree: DraftTree) -> list[tuple[int, ...]]:
+    """The token path from the root to each node, [N]."""
+    paths: list[tuple[int, ...]] = []
+    for token, parent in zip(tree.tokens, tree.parents):
+        paths.append((paths[parent] if parent != ROOT else ()) + (token,))
+    return paths

@@ -34,11 +34,12 @@ from splitspec.shared.drafters.target_parts import TargetParts
 from splitspec.shared.drafters.tokenswift import TokenSwiftHeads
 from splitspec.shared.features import FeatureBatch, FeatureRequest
 from splitspec.shared.sampling import SamplingParams, Stream, make_generator
-from splitspec.shared.tree import ROOT, DraftTree
+from splitspec.shared.tree import DraftTree
 from splitspec.v1 import verify_pb2 as pb
 
 from .base import DraftLimits, Drafter, Proposal, check_contiguous
 from .dynamic_tree import build_tree
+from .ngram import merge_chains
 
 
 class NgramIndex:
@@ -60,23 +61,6 @@ class NgramIndex:
     def continuations(self, first: int, k: int) -> list[tuple[int, ...]]:
         """The k most frequent continuations of `first` (ties: the one seen first)."""
         return [gram for gram, _ in self.grams.get(first, Counter()).most_common(k)]
-
-
-def merge_chains(tree: DraftTree, chains: list[tuple[int, ...]], max_nodes: int) -> DraftTree:
-    """`tree` with each chain added from the root, sharing nodes it already has, within `max_nodes`."""
-    tokens, parents = list(tree.tokens), list(tree.parents)
-    child = {(p, t): i for i, (t, p) in enumerate(zip(tokens, parents))}
-    for chain in chains:
-        parent = ROOT
-        for token in chain:
-            if (parent, token) not in child:
-                if len(tokens) >= max_nodes:
-                    break
-                child[(parent, token)] = len(tokens)
-                tokens.append(token)
-                parents.append(parent)
-            parent = child[(parent, token)]
-    return DraftTree(tuple(tokens), tuple(parents))
 
 
 class TokenSwiftRuntime(Drafter):

@@ -2,7 +2,7 @@
 
 Grammar (`generate --drafter`, `bench --methods`, `serve --lsa`, `offline-eval --drafters`):
 
-    NAME[;lsa=client|server][;quant=fp16|int8|fp8][;vocab=N][;tree=DEPTHxTOPBxNODES|adaptive]
+    NAME[;lsa=client|server][;quant=fp16|int8|fp8][;vocab=N][;tree=DEPTHxTOPBxNODES|adaptive][;lookup=K]
     NAME = auto | none | ngram | draft-model:MODEL[@layers=N] | moa[:tli=N | :PATH] | eagle2[:PATH]
          | falcon[:PATH] | tokenswift[:PATH] | swift[:ratio=R]
 
@@ -11,7 +11,9 @@ use the checkpoint shipped for the target (shared/drafters/shipped.py); swift sk
 the target's layers while drafting (training-free, client/drafters/swift.py). The options are MoA's LSA
 placement, the features' quantization (the trained drafters), the draft vocabulary (the same: the N most
 frequent tokens, 0 = full, -1 = the default) and the EAGLE-2 draft tree (`adaptive`: chosen each step
-by the client's network-aware planner, client/tree_planner.py). Options left out take the
+by the client's network-aware planner, client/tree_planner.py); `lookup=K` merges a prompt-lookup
+chain of up to K tokens into each greedy draft tree (0 = off; client/drafters/ngram.py,
+`PromptLookupMerge`; -1, the default, is DEFAULT_LOOKUP for every drafter but none and ngram). Options left out take the
 defaults the caller passes (the command's --lsa-placement, --feature-quant, ... flags).
 The server uses the same grammar for the MoA checkpoints whose LSA it hosts, hence shared/.
 """
@@ -28,8 +30,9 @@ KINDS = ("auto", "none", "ngram", "draft-model", "moa", "eagle2", "falcon", "tok
 SELF_DRAFTING = ("moa", "eagle2", "falcon", "tokenswift")  # drafters built on the target's own frozen parts
 LSA_PLACEMENTS = ("client", "server")
 QUANTIZATIONS = ("fp16", "int8", "fp8")
-OPTIONS = ("lsa", "quant", "vocab", "tree")
+OPTIONS = ("lsa", "quant", "vocab", "tree", "lookup")
 DEFAULT_DRAFT_VOCAB = 8192  # vocab=-1: this many tokens when the target has shipped token counts, else full
+DEFAULT_LOOKUP = 8  # lookup=-1: prompt-lookup chains of up to 8 tokens (56 Spec-Bench prompts: moa 1.15x -> 1.31x)
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ class DrafterSpec:
     vocab: int = -1  # draft vocabulary size: -1 = DEFAULT_DRAFT_VOCAB when counts ship, 0 = full
     tree: TreeConfig = TreeConfig()
     adaptive: bool = False  # tree=adaptive: the client picks each step's tree (TreePlanner), from `tree` on
+    lookup: int = -1  # prompt-lookup chain merged into greedy trees: up to this many tokens; 0 = off, -1 = default
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -72,6 +76,10 @@ class DrafterSpec:
             raise ValueError(f"{self.name!r}: lsa must be client|server and quant fp16|int8|fp8")
         if self.vocab < -1:
             raise ValueError(f"{self.name!r}: vocab must be >= 0")
+        if self.lookup < -1:
+            raise ValueError(f"{self.name!r}: lookup must be >= 0 (0 = off)")
+        if self.lookup > 0 and self.kind in ("none", "ngram"):
+            raise ValueError(f"{self.kind} takes no lookup= (ngram is prompt lookup; none drafts nothing)")
 
     @classmethod
     def parse(cls, text: str, *, options: tuple[str, ...] = OPTIONS, **defaults) -> "DrafterSpec":
@@ -102,7 +110,7 @@ class DrafterSpec:
         """The name and every option that differs from the class defaults."""
         defaults = DrafterSpec("none")
         words = [self.name]
-        words += [f"{key}={getattr(self, key)}" for key in ("lsa", "quant", "vocab")
+        words += [f"{key}={getattr(self, key)}" for key in ("lsa", "quant", "vocab", "lookup")
                   if getattr(self, key) != getattr(defaults, key)]
         if self.adaptive:
             words.append("tree=adaptive")
@@ -110,11 +118,21 @@ class DrafterSpec:
             words.append(f"tree={self.tree.depth}x{self.tree.top_b}x{self.tree.max_nodes}")
         return ";".join(words)
 
+    @property
+    def lookup_depth(self) -> int:
+        """Tokens of the prompt-lookup chain merged into each greedy tree (0 = none): `lookup`, or
+        DEFAULT_LOOKUP when it is -1, for every kind but none and ngram (and auto before `resolve`)."""
+        if self.kind in ("none", "ngram"):
+            return 0
+        return DEFAULT_LOOKUP if self.lookup == -1 else self.lookup
+
     def resolve(self, target: str | None) -> "DrafterSpec":
         """`auto` made concrete: moa when a checkpoint ships for `target`, else ngram."""
         if self.kind != "auto":
             return self
-        return replace(self, kind="moa" if has_shipped_checkpoint(target) else "ngram")
+        if has_shipped_checkpoint(target):
+            return replace(self, kind="moa")
+        return replace(self, kind="ngram", lookup=-1)  # ngram is prompt lookup already
 
     def checkpoint(self, target: str) -> Path:
         """The checkpoint folder of a trained drafter (SELF_DRAFTING) for `target`.
@@ -161,11 +179,13 @@ def _name_fields(name: str) -> dict:
 
 
 def _option_fields(given: dict[str, str], text: str) -> dict:
-    """lsa / quant / vocab / tree fields from the key=value options of `text`."""
+    """lsa / quant / vocab / tree / lookup fields from the key=value options of `text`."""
     fields = {key: given[key] for key in ("lsa", "quant") if key in given}
     try:
         if "vocab" in given:
             fields["vocab"] = int(given["vocab"])
+        if "lookup" in given:
+            fields["lookup"] = int(given["lookup"])
         if given.get("tree") == "adaptive":
             fields["adaptive"] = True
         elif "tree" in given:
@@ -174,6 +194,6 @@ def _option_fields(given: dict[str, str], text: str) -> dict:
                 raise ValueError
             fields["tree"] = TreeConfig(*map(int, sizes))
     except ValueError:
-        raise ValueError(f"{text!r}: vocab is an integer (0 = full vocabulary) and tree is DEPTHxTOPBxNODES, "
-                         "each >= 1, or adaptive") from None
+        raise ValueError(f"{text!r}: vocab and lookup are integers (0 = full vocabulary / no lookup) and tree "
+                         "is DEPTHxTOPBxNODES, each >= 1, or adaptive") from None
     return fields
