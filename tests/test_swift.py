@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from splitspec.client.drafters.factory import make_drafter
+from splitspec.client.drafters.ngram import PromptLookupMerge
 from splitspec.client.drafters.swift import PAPER_BANDS, SkipSetSearch, SwiftConfig, SwiftDrafter, uniform_skip_set
 from splitspec.client.loop import SpeculativeDecoder
 from splitspec.client.transport import RemoteVerifier
@@ -125,7 +126,10 @@ def test_spec_and_factory(stories):
             DrafterSpec.parse(bad)
     drafter = make_drafter(spec, target_fingerprint=tokenizer_fingerprint(tokenizer), target=model_id,
                            target_model=model)
-    assert isinstance(drafter, SwiftDrafter) and drafter.config.ratio == 0.4
+    assert isinstance(drafter, PromptLookupMerge) and isinstance(drafter.inner, SwiftDrafter)  # lookup: on by default
+    assert drafter.config.ratio == 0.4
+    assert isinstance(make_drafter(DrafterSpec.parse("swift:ratio=0.4;lookup=0"), target_fingerprint=tokenizer_fingerprint(
+        tokenizer), target=model_id, target_model=model), SwiftDrafter)
     assert drafter.feature_request.kv_layers == tuple(range(model.config.num_hidden_layers))
     with pytest.raises(ValueError, match="target"):
         make_drafter(spec, target_fingerprint="x", target=None)

@@ -75,20 +75,21 @@ class PromptLookupMerge(Drafter):
     """Another drafter's tree with a prompt-lookup chain merged in (greedy decoding only).
 
     The chain is what `NgramDrafter` would propose (the tokens that followed the most recent earlier
-    occurrence of the context's last 3, else 2, tokens), at most `depth` tokens; it joins the inner
-    drafter's tree from the root, sharing the nodes the two agree on, so it costs verify rows only
-    where it goes beyond the drafter's own guesses. Text that repeats itself or copies from the
-    prompt (summaries, answers quoting a document, code) gets long accepted runs the drafter alone
-    would not draft. Combining model drafts with retrieved continuations follows REST (He et al.
-    2024) and SAM-Decoding (Hu et al. 2024, §3.3: an EAGLE-2 tree plus the suffix-automaton draft);
-    TokenSwift (seed 003 §2.2) merges its n-gram chains the same way.
+    occurrence of the context's last 3, else 2, else 1 tokens: transformers' prompt lookup also goes
+    down to one), at most `depth` tokens. It joins the inner drafter's tree from the root, sharing
+    the nodes the two agree on, so it costs verify rows only where it goes beyond the drafter's own
+    guesses. Text that repeats itself or copies from the prompt (summaries, extraction, answers
+    quoting a document, code) gets long accepted runs the drafter alone would not draft. Drafting by
+    retrieval is REST's (He et al. 2024); joining a retrieved draft to a model drafter's tree is
+    SAM-Decoding's (Hu et al. 2024, with EAGLE-2); TokenSwift (seed 003 §2.2) merges its n-gram
+    chains into its heads' tree the same way.
 
     Under sampling the inner proposal passes through unchanged: a draft must be drawn from the
     rows it is judged against (shared/acceptance.py), which a looked-up chain is not. Everything
     else (features wanted, commits, rollbacks, the tree the planner sets) is the inner drafter's.
     """
 
-    def __init__(self, inner: Drafter, depth: int, max_ngram: int = 3, min_ngram: int = 2) -> None:
+    def __init__(self, inner: Drafter, depth: int, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if depth < 1:
             raise ValueError(f"a prompt-lookup chain needs depth >= 1, got {depth}")
         self.__dict__["inner"] = inner  # before any attribute write reaches __setattr__

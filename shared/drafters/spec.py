@@ -32,7 +32,7 @@ LSA_PLACEMENTS = ("client", "server")
 QUANTIZATIONS = ("fp16", "int8", "fp8")
 OPTIONS = ("lsa", "quant", "vocab", "tree", "lookup")
 DEFAULT_DRAFT_VOCAB = 8192  # vocab=-1: this many tokens when the target has shipped token counts, else full
-DEFAULT_LOOKUP = 8  # lookup=-1: prompt-lookup chains of up to 8 tokens (56 Spec-Bench prompts: moa 1.15x -> 1.31x)
+DEFAULT_LOOKUP = 8  # lookup=-1: chains of up to 8 tokens (56 Spec-Bench prompts: moa 1.16x -> 1.33x generate())
 
 
 @dataclass(frozen=True)
