@@ -14,7 +14,7 @@ from transformers import DynamicCache
 
 from splitspec.shared import kv
 from splitspec.shared.features import FeatureBatch, FeatureRequest
-from splitspec.shared.drafters.moa import stack_layer_kv
+from splitspec.shared.drafters.moa import lsa_autocast, stack_layer_kv
 from splitspec.shared.acceptance import AcceptResult, SparseProbs, accept_greedy, accept_sampling
 from splitspec.shared.sampling import (SamplingParams, Stream, apply_contextual_penalty, make_generator, sample,
                                       warp_probs)
@@ -231,7 +231,9 @@ class TargetRunner:
             module = self.lsa_modules[spec.lsa_id]
             per_layer = [kv.layer_kv(session.cache, layer, start, start + len(rows)) for layer in range(self.num_layers)]
             layer_kv = stack_layer_kv([k for k, _ in per_layer], [v for _, v in per_layer])
-            batch.lsa = module.memory(layer_kv.to(next(module.parameters()).dtype)).float().cpu()
+            dtype = next(module.parameters()).dtype
+            with lsa_autocast(len(rows), dtype, layer_kv.device):  # a prompt's LSA in bf16 where faster
+                batch.lsa = module.memory(layer_kv.to(dtype)).float().cpu()
         return batch
 
 

@@ -203,6 +203,34 @@ def test_lsa_memory_is_per_token_across_chunks(stories, pool):
             torch.testing.assert_close(together[i], drafter.memory(layer_kv[i:i + 1])[0], rtol=1e-4, atol=1e-5)
 
 
+def test_prompt_lsa_runs_in_bf16_only_where_asked(stories, monkeypatch):
+    """lsa_autocast: bf16 for a prompt's positions when bf16 is measured faster, fp32 for a verify
+    step's few positions, for a drafter not in fp32, and where bf16 is slower; the memory stays
+    within 1% of fp32."""
+    from splitspec.shared.drafters import moa
+
+    model, _, _ = stories
+    torch.manual_seed(7)
+    drafter = MoADrafter(MoAConfig.from_target(model.config)).eval()
+    layer_kv = torch.randn(moa.LSA_BF16_MIN, model.config.num_hidden_layers, drafter.config.kv_width)
+
+    def autocast_on(tokens, dtype=torch.float32) -> bool:
+        with moa.lsa_autocast(tokens, dtype):
+            return torch.is_autocast_enabled("cpu")
+
+    monkeypatch.setattr(moa, "fastest_dtype", lambda device: "bfloat16")
+    assert autocast_on(moa.LSA_BF16_MIN) and not autocast_on(moa.LSA_BF16_MIN - 1)
+    assert not autocast_on(moa.LSA_BF16_MIN, torch.bfloat16)
+    with torch.no_grad():
+        exact = drafter.memory(layer_kv)
+        with moa.lsa_autocast(len(layer_kv), torch.float32):
+            fast = drafter.memory(layer_kv)
+    assert fast.dtype == torch.bfloat16
+    assert float((fast.float() - exact).norm() / exact.norm()) < 0.01
+    monkeypatch.setattr(moa, "fastest_dtype", lambda device: "float32")
+    assert not autocast_on(moa.LSA_BF16_MIN)
+
+
 def test_learned_lsa_pooling_round_trips(stories, tmp_path):
     """A learned-pooling MoA checkpoint loads with its layer weights (the runtime and the server's
     hosted LSA build it from the card); a config without `lsa_pool` is a mean one; a bad pool is refused."""

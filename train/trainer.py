@@ -17,13 +17,11 @@ another machine.
 """
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import math
 import random
 import shutil
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -36,6 +34,7 @@ from splitspec.shared.drafters.falcon import FalconConfig, FalconDrafter
 from splitspec.shared.drafters.tokenswift import TokenSwiftConfig, TokenSwiftHeads
 from splitspec.shared.drafters.moa import LSA_POOLS, MoAConfig, MoADrafter
 from splitspec.shared.drafters.target_parts import TargetParts
+from splitspec.shared.models import fastest_dtype
 
 from .batched import (Batch, LossOptions, TargetBatch, batch_chunk_starts, bucketed_order, eagle_loss_batch,
                       falcon_loss_batch, make_batch, moa_loss_batch, run_target_batch, tli_scale,
@@ -150,27 +149,6 @@ class TrainConfig:
     def out_dir(self, job: DrafterJob) -> Path:
         """A single drafter writes into `out`; several into `out/<name>`."""
         return self.out if len(self.jobs()) == 1 else self.out / job.name
-
-
-@functools.lru_cache(maxsize=None)
-def fastest_dtype(device: str = "cpu") -> str:
-    """"bfloat16" where a bf16 matmul of the drafters' shapes runs at least 1.25x faster than fp32
-    on `device`, else "float32". Measured once per process: bf16 is ~5x faster on CPUs with
-    AMX-BF16 and on GPUs, but 10x slower on CPUs with only AVX2 (bf16 GEMMs then take PyTorch's
-    reference kernel), so it cannot be assumed."""
-    if device != "cpu":
-        return "bfloat16"
-    a, b = torch.randn(256, 576), torch.randn(576, 576)
-
-    def seconds(dtype: torch.dtype) -> float:
-        x, y = a.to(dtype), b.to(dtype)
-        x @ y
-        tic = time.perf_counter()
-        for _ in range(3):
-            x @ y
-        return time.perf_counter() - tic
-
-    return "bfloat16" if 1.25 * seconds(torch.bfloat16) < seconds(torch.float32) else "float32"
 
 
 def load_examples(cfg: TrainConfig, tokenizer) -> tuple[list[Example], list[list[dict]]]:

@@ -18,7 +18,7 @@ from transformers import DynamicCache
 
 from splitspec.shared import kv
 from splitspec.shared.config import TreeConfig
-from splitspec.shared.drafters.moa import MoADrafter, stack_layer_kv
+from splitspec.shared.drafters.moa import MoADrafter, lsa_autocast, stack_layer_kv
 from splitspec.shared.drafters.target_parts import TargetParts
 from splitspec.shared.features import FeatureBatch, FeatureRequest
 from splitspec.shared.sampling import SamplingParams, Stream, make_generator
@@ -70,8 +70,10 @@ class MoARuntime(Drafter):
             memory = features.lsa.to(self.dtype)
         else:
             layers = range(self.parts.num_layers)
-            memory = self.module.memory(stack_layer_kv([features.keys[i].to(self.dtype) for i in layers],
-                                                       [features.values[i].to(self.dtype) for i in layers]))
+            layer_kv = stack_layer_kv([features.keys[i].to(self.dtype) for i in layers],
+                                      [features.values[i].to(self.dtype) for i in layers])
+            with lsa_autocast(features.count, self.dtype, layer_kv.device):  # a prompt's LSA in bf16 where faster
+                memory = self.module.memory(layer_kv).to(self.dtype)
         positions = torch.arange(self.verified, self.verified + features.count)
         keys, values = self.module.memory_kv(memory, positions)
         self.mem_keys = torch.cat([self.mem_keys, keys], dim=2)
