@@ -68,8 +68,9 @@ def add_client_args(p: argparse.ArgumentParser, chat: bool = False) -> None:
                    help="moa/eagle2/falcon/tokenswift: draft among the N most frequent tokens (FR-Spec); 0 = the full vocabulary; "
                         f"default: {DEFAULT_DRAFT_VOCAB} when the target has shipped token counts")
     p.add_argument("--prompt-lookup", type=int, default=-1, metavar="K",
-                   help="merge a prompt-lookup chain of up to K tokens into each greedy draft tree (0 = off; default: "
-                        f"{DEFAULT_LOOKUP} for every drafter but none and ngram; no effect when sampling)")
+                   help="merge a prompt-lookup chain of up to K tokens into each draft tree (0 = off; default: "
+                        f"{DEFAULT_LOOKUP} for every drafter but none and ngram; when sampling, only below the "
+                        "drafter's leaves)")
     p.add_argument("--no-spec", action="store_true", help="baseline: one target call per token")
     p.add_argument("--max-new-tokens", type=int, default=256)
     if chat:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from splitspec.client.drafters import DraftModelDrafter
 from splitspec.client.drafters.base import DraftLimits, Drafter, Proposal
@@ -15,7 +16,8 @@ from splitspec.shared.drafters.spec import DEFAULT_LOOKUP, DrafterSpec
 from splitspec.shared.features import FeatureBatch
 from splitspec.shared.models import load_model
 from splitspec.shared.sampling import SamplingParams
-from splitspec.shared.tree import DraftTree
+from splitspec.shared.acceptance import SparseProbs
+from splitspec.shared.tree import ROOT, DraftTree
 
 from .helpers import OracleDrafter, reference_greedy
 
@@ -24,10 +26,10 @@ LIMITS = DraftLimits(max_depth=8, max_nodes=64)
 
 
 class FixedDrafter(Drafter):
-    """Always proposes `tree`; records what it was told."""
+    """Always proposes `tree` (with `rows` as its draft probabilities); records what it was told."""
 
-    def __init__(self, tree: DraftTree) -> None:
-        self.fixed = tree
+    def __init__(self, tree: DraftTree, rows: dict | None = None) -> None:
+        self.fixed, self.rows = tree, rows or {}
         self.tree = TreeConfig()
         self.committed: list[tuple[int, ...]] = []
 
@@ -35,7 +37,7 @@ class FixedDrafter(Drafter):
         self.committed = []
 
     def propose(self, context, limits, sampling) -> Proposal:
-        return Proposal(self.fixed)
+        return Proposal(self.fixed, self.rows)
 
     def commit(self, new_tokens, features) -> None:
         self.committed.append(tuple(new_tokens))
@@ -64,10 +66,19 @@ def test_limits_bound_the_chain():
     assert lookup.propose([1, 2, 3, 4], LIMITS, GREEDY).tree == inner.fixed  # no earlier match: no chain
 
 
-def test_sampling_passes_the_inner_proposal_through():
-    inner = FixedDrafter(DraftTree((2,), (-1,)))
+def test_sampling_never_adds_siblings_to_sampled_children():
+    """Under sampling the chain follows the drafter's nodes and grows only below a node without a
+    draft-probability row (one-hot proposals there keep acceptance lossless, shared/acceptance.py)."""
+    row = SparseProbs(torch.tensor([2, 9]), torch.tensor([0.5, 0.5]))
     sampled = SamplingParams(temperature=0.8, seed=1)
-    assert PromptLookupMerge(inner, depth=4).propose(CONTEXT, LIMITS, sampled).tree == inner.fixed
+    other = FixedDrafter(DraftTree((2,), (-1,)), {ROOT: row})  # the root's children were sampled: 9 may not join
+    assert PromptLookupMerge(other, depth=4).propose(CONTEXT, LIMITS, sampled).tree == other.fixed
+    same = FixedDrafter(DraftTree((9, 2), (-1, -1)), {ROOT: row})  # 9 was sampled; it has no row, so 4 5 3 grow below it
+    merged = PromptLookupMerge(same, depth=4).propose(CONTEXT, LIMITS, sampled)
+    assert merged.tree.tokens == (9, 2, 4, 5, 3) and merged.tree.parents == (-1, -1, 0, 2, 3)
+    assert merged.draft_probs == {ROOT: row}
+    deeper = FixedDrafter(DraftTree((9, 2, 7), (-1, -1, 0)), {ROOT: row, 0: row})  # 9's children were sampled too
+    assert PromptLookupMerge(deeper, depth=4).propose(CONTEXT, LIMITS, sampled).tree == deeper.fixed
 
 
 def test_counts_accepted_chain_tokens_and_forwards_the_rest():

@@ -51,10 +51,12 @@ class NgramDrafter(Drafter):
         return found
 
 
-def merge_chains(tree: DraftTree, chains: list[Sequence[int]], max_nodes: int) -> DraftTree:
+def merge_chains(tree: DraftTree, chains: list[Sequence[int]], max_nodes: int,
+                 closed: frozenset[int] = frozenset()) -> DraftTree:
     """`tree` with each chain added from the root, sharing the nodes it already has (and earlier
     chains' nodes), within `max_nodes` in all. Existing nodes keep their indices, so a proposal's
-    draft-probability rows stay valid; a chain that reaches the limit is cut there."""
+    draft-probability rows stay valid; a chain that reaches the limit is cut there, and so is one
+    that would add a child under a node in `closed` (-1 = the root)."""
     tokens, parents = list(tree.tokens), list(tree.parents)
     child = {(p, t): i for i, (t, p) in enumerate(zip(tokens, parents))}
     for chain in chains:
@@ -62,7 +64,7 @@ def merge_chains(tree: DraftTree, chains: list[Sequence[int]], max_nodes: int) -
         for token in chain:
             token = int(token)
             if (parent, token) not in child:
-                if len(tokens) >= max_nodes:
+                if len(tokens) >= max_nodes or parent in closed:
                     break
                 child[(parent, token)] = len(tokens)
                 tokens.append(token)
@@ -72,7 +74,7 @@ def merge_chains(tree: DraftTree, chains: list[Sequence[int]], max_nodes: int) -
 
 
 class PromptLookupMerge(Drafter):
-    """Another drafter's tree with a prompt-lookup chain merged in (greedy decoding only).
+    """Another drafter's tree with a prompt-lookup chain merged in.
 
     The chain is what `NgramDrafter` would propose (the tokens that followed the most recent earlier
     occurrence of the context's last 3, else 2, else 1 tokens: transformers' prompt lookup also goes
@@ -84,8 +86,10 @@ class PromptLookupMerge(Drafter):
     SAM-Decoding's (Hu et al. 2024, with EAGLE-2); TokenSwift (seed 003 §2.2) merges its n-gram
     chains into its heads' tree the same way.
 
-    Under sampling the inner proposal passes through unchanged: a draft must be drawn from the
-    rows it is judged against (shared/acceptance.py), which a looked-up chain is not. Everything
+    Under sampling a node's children are judged against the draft-probability row they were drawn
+    from, or as one-hot proposals where the node has no row (shared/acceptance.py), so the chain
+    only follows the drafter's nodes and grows below the first one without a row (a leaf): it
+    never adds a sibling to children the drafter sampled, which keeps sampling lossless. Everything
     else (features wanted, commits, rollbacks, the tree the planner sets) is the inner drafter's.
     """
 
@@ -115,13 +119,12 @@ class PromptLookupMerge(Drafter):
     def propose(self, context: Sequence[int], limits: DraftLimits, sampling: SamplingParams) -> Proposal:
         proposal = self.inner.propose(context, limits, sampling)
         self._added = {}
-        if not sampling.greedy:
-            return proposal
         depth = min(self.lookup.depth, limits.max_depth)
         chains = self.lookup._continuations(np.asarray(context), depth) if depth >= 1 else []
         if not chains:
             return proposal
-        tree = merge_chains(proposal.tree, chains, limits.max_nodes)
+        closed = frozenset() if sampling.greedy else frozenset(proposal.draft_probs)  # nodes with sampled children
+        tree = merge_chains(proposal.tree, chains, limits.max_nodes, closed)
         if tree.size > proposal.tree.size:
             self.stats["lookup_steps"] += 1
             self.stats["lookup_nodes"] += tree.size - proposal.tree.size

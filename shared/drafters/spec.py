@@ -12,7 +12,7 @@ the target's layers while drafting (training-free, client/drafters/swift.py). Th
 placement, the features' quantization (the trained drafters), the draft vocabulary (the same: the N most
 frequent tokens, 0 = full, -1 = the default) and the EAGLE-2 draft tree (`adaptive`: chosen each step
 by the client's network-aware planner, client/tree_planner.py); `lookup=K` merges a prompt-lookup
-chain of up to K tokens into each greedy draft tree (0 = off; client/drafters/ngram.py,
+chain of up to K tokens into each draft tree (0 = off; client/drafters/ngram.py,
 `PromptLookupMerge`; -1, the default, is DEFAULT_LOOKUP for every drafter but none and ngram). Options left out take the
 defaults the caller passes (the command's --lsa-placement, --feature-quant, ... flags).
 The server uses the same grammar for the MoA checkpoints whose LSA it hosts, hence shared/.
@@ -57,7 +57,7 @@ class DrafterSpec:
     vocab: int = -1  # draft vocabulary size: -1 = DEFAULT_DRAFT_VOCAB when counts ship, 0 = full
     tree: TreeConfig = TreeConfig()
     adaptive: bool = False  # tree=adaptive: the client picks each step's tree (TreePlanner), from `tree` on
-    lookup: int = -1  # prompt-lookup chain merged into greedy trees: up to this many tokens; 0 = off, -1 = default
+    lookup: int = -1  # prompt-lookup chain merged into draft trees: up to this many tokens; 0 = off, -1 = default
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
