@@ -33,10 +33,11 @@ class NgramDrafter(Drafter):
         depth = min(self.depth, limits.max_depth)
         if depth < 1:
             return Proposal(DraftTree.empty())
-        continuations = self._continuations(np.asarray(context), depth)
+        continuations = self.continuations(np.asarray(context), depth)
         return Proposal(merge_chains(DraftTree.empty(), continuations, limits.max_nodes))
 
-    def _continuations(self, ctx: np.ndarray, depth: int) -> list[list[int]]:
+    def continuations(self, ctx: np.ndarray, depth: int) -> list[list[int]]:
+        """Up to `branches` distinct continuations of up to `depth` tokens, most recent match first."""
         found: list[list[int]] = []
         for n in range(min(self.max_ngram, len(ctx) - 1), self.min_ngram - 1, -1):
             pattern = ctx[-n:]
@@ -101,7 +102,7 @@ class PromptLookupMerge(Drafter):
         self.name = f"{inner.name}+lookup{depth}"
         self.feature_request = inner.feature_request
         self.stats = {"lookup_steps": 0, "lookup_nodes": 0, "lookup_accepted": 0}
-        self._added: dict[tuple[int, ...], int] = {}  # path of each node the chain added -> its depth
+        self._added: set[tuple[int, ...]] = set()  # root-to-node token paths of the nodes the chain added
 
     def __getattr__(self, key):  # anything else (e.g. the tree a planner reads) is the inner drafter's
         return getattr(self.__dict__["inner"], key)
@@ -113,14 +114,14 @@ class PromptLookupMerge(Drafter):
             super().__setattr__(key, value)
 
     def reset(self, prompt_ids, features) -> None:
-        self._added = {}
+        self._added = set()
         self.inner.reset(prompt_ids, features)
 
     def propose(self, context: Sequence[int], limits: DraftLimits, sampling: SamplingParams) -> Proposal:
         proposal = self.inner.propose(context, limits, sampling)
-        self._added = {}
+        self._added = set()
         depth = min(self.lookup.depth, limits.max_depth)
-        chains = self.lookup._continuations(np.asarray(context), depth) if depth >= 1 else []
+        chains = self.lookup.continuations(np.asarray(context), depth) if depth >= 1 else []
         if not chains:
             return proposal
         closed = frozenset() if sampling.greedy else frozenset(proposal.draft_probs)  # nodes with sampled children
@@ -128,19 +129,18 @@ class PromptLookupMerge(Drafter):
         if tree.size > proposal.tree.size:
             self.stats["lookup_steps"] += 1
             self.stats["lookup_nodes"] += tree.size - proposal.tree.size
-            paths = _paths(tree)
-            self._added = {paths[i]: len(paths[i]) for i in range(proposal.tree.size, tree.size)}
+            self._added = set(_paths(tree)[proposal.tree.size:])
         return Proposal(tree, proposal.draft_probs)
 
     def commit(self, new_tokens, features) -> None:
         if self._added:  # accepted tokens the chain drafted and the inner drafter did not
             accepted = tuple(new_tokens)[:-1]  # the last one is the bonus token
             self.stats["lookup_accepted"] += sum(accepted[:n] in self._added for n in range(1, len(accepted) + 1))
-            self._added = {}
+            self._added = set()
         self.inner.commit(new_tokens, features)
 
     def rollback(self, length: int) -> None:
-        self._added = {}
+        self._added = set()
         self.inner.rollback(length)
 
     def report(self) -> dict:

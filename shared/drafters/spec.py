@@ -32,6 +32,7 @@ LSA_PLACEMENTS = ("client", "server")
 QUANTIZATIONS = ("fp16", "int8", "fp8")
 OPTIONS = ("lsa", "quant", "vocab", "tree", "lookup")
 DEFAULT_DRAFT_VOCAB = 8192  # vocab=-1: this many tokens when the target has shipped token counts, else full
+NO_LOOKUP = ("none", "ngram")  # kinds that take no prompt-lookup chain (ngram is prompt lookup)
 DEFAULT_LOOKUP = 8  # lookup=-1: chains of up to 8 tokens (56 Spec-Bench prompts: moa 1.16x -> 1.33x generate())
 
 
@@ -78,7 +79,7 @@ class DrafterSpec:
             raise ValueError(f"{self.name!r}: vocab must be >= 0")
         if self.lookup < -1:
             raise ValueError(f"{self.name!r}: lookup must be >= 0 (0 = off)")
-        if self.lookup > 0 and self.kind in ("none", "ngram"):
+        if self.lookup > 0 and self.kind in NO_LOOKUP:
             raise ValueError(f"{self.kind} takes no lookup= (ngram is prompt lookup; none drafts nothing)")
 
     @classmethod
@@ -120,9 +121,9 @@ class DrafterSpec:
 
     @property
     def lookup_depth(self) -> int:
-        """Tokens of the prompt-lookup chain merged into each greedy tree (0 = none): `lookup`, or
+        """Tokens of the prompt-lookup chain merged into each draft tree (0 = none): `lookup`, or
         DEFAULT_LOOKUP when it is -1, for every kind but none and ngram (and auto before `resolve`)."""
-        if self.kind in ("none", "ngram"):
+        if self.kind in NO_LOOKUP:
             return 0
         return DEFAULT_LOOKUP if self.lookup == -1 else self.lookup
 
