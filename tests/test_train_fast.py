@@ -74,6 +74,19 @@ def test_fast_path_equals_reference(stories, examples, job):
     assert abs(bf16.item() - ref.item()) <= 0.03 * ref.item()
 
 
+def test_time_schedule_follows_the_clock_where_it_is_further_along():
+    from splitspec.train.trainer import schedule_step
+
+    cfg = TrainConfig(drafter="moa", target="x", out=None, max_minutes=10, time_schedule=True)
+    assert schedule_step(cfg, 5, 1000, elapsed_s=0) == 5
+    assert schedule_step(cfg, 5, 1000, elapsed_s=300) == 500  # half the minutes: half the schedule
+    assert schedule_step(cfg, 900, 1000, elapsed_s=300) == 900  # the steps are further along
+    assert schedule_step(cfg, 5, 1000, elapsed_s=6000) == 1000  # never past the end
+    assert sa_window(cfg, schedule_step(cfg, 5, 1000, elapsed_s=301), 1000) is None  # the staircase is done
+    off = TrainConfig(drafter="moa", target="x", out=None, max_minutes=10)
+    assert schedule_step(off, 5, 1000, elapsed_s=300) == 5  # opt-in: a plain --max-minutes run keeps its steps
+
+
 def test_staircase_window_ramps():
     cfg = TrainConfig(drafter="moa", target="x", out=None, staircase=0.5, max_len=512)
     assert sa_window(cfg, 0, 100) == 0 and sa_window(cfg, 25, 100) == 256 and sa_window(cfg, 50, 100) is None
@@ -231,6 +244,17 @@ def test_distill_data_is_deterministic_and_resumes(stories_path, tmp_path):
         distill_data(DistillConfig(out=tmp_path / "a.jsonl", limit=6, **{**common, "seed": 8}), convs)
     examples = load_distilled(tmp_path / "a.jsonl", 64)
     assert examples and all(sum(e.loss_mask) > 0 for e in examples)
+    # --start: a second file answers the prompts after the first file's, as one run of that batch would
+    rest = distill_data(DistillConfig(out=tmp_path / "rest.jsonl", limit=6, start=4, **common), convs)
+    assert rest["records"] == 2 and rest["first_index"] == 4
+    rest_header, *rest_records = (tmp_path / "rest.jsonl").read_text().splitlines()
+    assert json.loads(rest_header)["start"] == 4 and "start" not in json.loads(header)
+    assert [json.loads(r)["index"] for r in rest_records] == [4, 5]
+    assert [json.loads(r)["prompt_ids"] for r in rest_records] == [json.loads(r)["prompt_ids"] for r in records[4:]]
+    with pytest.raises(ValueError, match="other settings"):  # a start that does not match the file's
+        distill_data(DistillConfig(out=tmp_path / "rest.jsonl", limit=6, start=2, **common), convs)
+    with pytest.raises(ValueError, match="start < limit"):
+        DistillConfig(out=tmp_path / "x.jsonl", limit=6, start=6, **common)
 
 
 def test_later_turns_give_the_deepest_history_that_fits(stories):

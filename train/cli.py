@@ -83,6 +83,10 @@ def _add_train_parser(sub) -> None:
     p.add_argument("--max-minutes", type=float, default=0.0,
                    help="stop cleanly after this many minutes of training (0 = no limit); time paused with "
                         "SIGTSTP (kill -TSTP, Ctrl-Z) does not count")
+    p.add_argument("--time-schedule", action="store_true",
+                   help="the lr decay and MoA's staircase follow --max-minutes as well as the steps (whichever is "
+                        "further along), so a run the clock stops has finished its schedule; for a machine of unknown "
+                        "speed, with --epochs set high")
     p.add_argument("--heldout", type=int, default=16, help="held-out conversations (loss, top-1, memory gain)")
     p.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts of the tau measurement")
     p.add_argument("--eval-new-tokens", type=int, default=48, help="tokens generated per tau prompt")
@@ -100,7 +104,7 @@ def train_config(args):
         raise SystemExit("splitspec train: --out is required (unless --eval-only)")
     return _config(args, Path(args.out or "."), max_tokens=args.max_tokens, epochs=args.epochs,
                    eval_every=args.eval_every, max_minutes=args.max_minutes, resume=args.resume,
-                   heldout=args.heldout, eval_prompts=args.eval_prompts, eval_new_tokens=args.eval_new_tokens,
+                   time_schedule=args.time_schedule, heldout=args.heldout, eval_prompts=args.eval_prompts, eval_new_tokens=args.eval_new_tokens,
                    eval_only=args.eval_only)
 
 
@@ -138,6 +142,9 @@ def _add_distill_parser(sub) -> None:
     p.add_argument("--limit", type=int, default=1000,
                    help="prompts to answer (a larger --limit on an existing file appends; a last batch an earlier "
                         "--limit cut short is answered again whole)")
+    p.add_argument("--start", type=int, default=0,
+                   help="skip the first START prompts (those another file already answers): --limit counts from "
+                        "prompt 0, so --start 5000 --limit 8000 answers prompts 5,000-7,999")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--max-prompt-len", type=int, default=256)
     p.add_argument("--min-prompt-len", type=int, default=0,
@@ -163,7 +170,7 @@ def cmd_distill(args) -> None:
                         max_prompt_len=args.max_prompt_len, min_prompt_len=args.min_prompt_len,
                         max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, heldout=args.heldout, seed=args.seed,
-                        dtype=args.dtype, device=args.device, turns=args.turns)
+                        dtype=args.dtype, device=args.device, turns=args.turns, start=args.start)
     print(json.dumps(distill_data(cfg)))
 
 

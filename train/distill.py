@@ -46,16 +46,21 @@ class DistillConfig:
     dtype: str = "float32"
     device: str = "cpu"
     turns: str = "first"  # first | later (see the module docstring)
+    start: int = 0  # skip the first `start` prompts (the ones an earlier file already answers)
 
     def __post_init__(self):
         if self.turns not in TURNS:
             raise ValueError(f"turns must be one of {TURNS}, not {self.turns!r}")
+        if not 0 <= self.start < self.limit:
+            raise ValueError(f"need 0 <= start < limit, got start {self.start} and limit {self.limit}")
         if not 0 <= self.min_prompt_len <= self.max_prompt_len:
             raise ValueError(f"need 0 <= min_prompt_len <= max_prompt_len, got {self.min_prompt_len} and "
                              f"{self.max_prompt_len}")
 
     def header(self, model_id: str) -> dict:
         settings = {k: v for k, v in asdict(self).items() if k not in ("out", "limit")}  # a resume may extend
+        if not self.start:
+            del settings["start"]  # headers written before `start` existed stay valid
         return {"splitspec_distill": 1, "model_id": model_id, **settings}
 
 
@@ -137,12 +142,14 @@ def distill_data(cfg: DistillConfig, conversations: list | None = None) -> dict:
         first = json.loads(cfg.out.read_text().splitlines()[0])
         first.setdefault("turns", "first")  # files written before `turns` existed
         first.setdefault("min_prompt_len", 0)  # or before `min_prompt_len`
+        if not first.get("start"):
+            first.pop("start", None)
         if first != header:
             raise ValueError(f"{cfg.out} was written with other settings: {first}")
     else:
         cfg.out.parent.mkdir(parents=True, exist_ok=True)
         cfg.out.write_text(json.dumps(header) + "\n")
-    prompts = _prompts(cfg, tokenizer, conversations)
+    prompts = _prompts(cfg, tokenizer, conversations)[cfg.start:]
     eos = eos_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     start = done - done % cfg.batch
@@ -155,12 +162,12 @@ def distill_data(cfg: DistillConfig, conversations: list | None = None) -> dict:
     with cfg.out.open("a") as f:
         for i in range(done, len(prompts), cfg.batch):
             chunk = prompts[i: i + cfg.batch]
-            answers = answer_batch(model, chunk, cfg, eos, pad, cfg.seed + i)
-            f.write("".join(json.dumps({"index": i + k, "prompt_ids": p, "answer_ids": a}) + "\n"
+            answers = answer_batch(model, chunk, cfg, eos, pad, cfg.seed + cfg.start + i)
+            f.write("".join(json.dumps({"index": cfg.start + i + k, "prompt_ids": p, "answer_ids": a}) + "\n"
                             for k, (p, a) in enumerate(zip(chunk, answers))))
             f.flush()
             tokens += sum(len(a) for a in answers)
-    return {"out": str(cfg.out), "records": len(prompts), "new_answer_tokens": tokens}
+    return {"out": str(cfg.out), "records": len(prompts), "first_index": cfg.start, "new_answer_tokens": tokens}
 
 
 def parse_data_entry(entry: str) -> tuple[str, slice]:

@@ -116,6 +116,7 @@ class TrainConfig:
     dtype: str = "auto"  # compute dtype of the matmuls: bfloat16 (autocast; weights stay fp32), float32, or
     # auto = bfloat16 where it is measured faster here (`fastest_dtype`)
     max_minutes: float = 0.0  # stop cleanly after this long (0 = no limit)
+    time_schedule: bool = False  # lr decay and staircase follow max_minutes too (whichever is further along)
     seed: int = 0
     device: str = "cpu"
     resume: bool = False
@@ -253,6 +254,16 @@ def _lr_at(step: int, cfg: TrainConfig, total: int) -> float:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def schedule_step(cfg: TrainConfig, step: int, total: int, elapsed_s: float) -> int:
+    """The step the lr schedule and the staircase are at: `step`, or with `time_schedule` and a
+    `max_minutes` budget the share of that budget spent (in steps of `total`) where it is further
+    along, so that a run the clock stops still ends its cosine decay and its staircase (a budget
+    of minutes on a machine of unknown speed, e.g. a GPU lent for one command)."""
+    if not (cfg.time_schedule and cfg.max_minutes):
+        return step
+    return min(total, max(step, int(total * elapsed_s / (60 * cfg.max_minutes))))
 
 
 def sa_window(cfg: TrainConfig, step: int, total: int) -> int | None:
@@ -414,7 +425,8 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
             batch = make_batch([examples[i] for i in order[step % steps_per_epoch]], cfg.device)
             with _autocast(cfg):
                 target = run_target_batch(train_model, batch, layer_inputs, vocab)
-            metrics = {t.job.name: _train_step(cfg, t, target, vocab, step, total_steps) for t in trainees}
+            at = schedule_step(cfg, step, total_steps, start_s + clock.elapsed())
+            metrics = {t.job.name: _train_step(cfg, t, target, vocab, at, total_steps) for t in trainees}
             state["step"] += 1
             state["tokens"] += batch.tokens
             bar.update(1)
