@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import itertools
 import json
 import logging
 import os
@@ -222,6 +223,33 @@ def _with_template(tokenizer):
     return tokenizer
 
 
+MIN_TRANSFORMERS = (5, 24)
+
+
+def check_transformers(version: str | None = None) -> None:
+    """Refuse a transformers older than 5.24: splitspec passes the KV cache as `cache=`, the name
+    5.24 gave the forward argument, and an older release takes it silently into **kwargs and runs
+    without the cache (no error: wrong verify results, or a training crash far from the cause).
+    An image with its own older transformers (the lent GPU machines have 5.17) needs the newer
+    wheel installed over it.
+
+    Raises:
+        RuntimeError: `version` (default: the installed one) below 5.24.
+    """
+    if version is None:
+        import transformers
+
+        version = transformers.__version__
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        parts.append(int(digits or 0))
+    if tuple(parts) < MIN_TRANSFORMERS:
+        raise RuntimeError(f"transformers {version} is too old: splitspec needs >= "
+                           f"{'.'.join(map(str, MIN_TRANSFORMERS))} (it passes the KV cache as `cache=`, which older "
+                           "releases ignore); pip install 'transformers>=5.24,<6'")
+
+
 def load_model(name: str, *, device: str = "cpu", dtype: str | torch.dtype = "float32", linear: str = "auto"):
     """Load a causal LM for inference (eval mode, no grad), honouring `@layers=N`.
 
@@ -232,10 +260,12 @@ def load_model(name: str, *, device: str = "cpu", dtype: str | torch.dtype = "fl
         (model, tokenizer, model_id)
     Raises:
         ValueError: `@layers=N` larger than the model's layer count, or an unknown `linear`.
-        RuntimeError: `linear="onednn"` where oneDNN cannot serve the model.
+        RuntimeError: `linear="onednn"` where oneDNN cannot serve the model, or a transformers
+            older than 5.24 (`check_transformers`).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_transformers()
     spec = ModelSpec.parse(name)
     path, model_id = resolve(spec.source)
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype

@@ -100,3 +100,16 @@ def test_a_gguf_path_is_converted_once_and_loads_like_the_alias(smollm2, tmp_pat
     stamp = (Path(folder) / "model.safetensors").stat().st_mtime_ns
     assert resolve(str(gguf))[0] == folder  # cached: not converted again
     assert (Path(folder) / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_a_transformers_that_would_ignore_cache_is_refused():
+    """transformers < 5.24 takes `cache=` silently into **kwargs (the GPU image's 5.17 did): the
+    target would run without its KV cache, so loading refuses it by name."""
+    from splitspec.shared.models import check_transformers
+
+    for old in ("5.17.0", "5.23.9", "4.57.1"):
+        with pytest.raises(RuntimeError, match="too old"):
+            check_transformers(old)
+    for fine in ("5.24.0", "5.30.0.dev0", "6.0.0rc1"):
+        check_transformers(fine)
+    check_transformers()  # the installed one
