@@ -2,6 +2,7 @@
 drafters on one target pass, clean stops and exact resumes, distilled data, size limits."""
 from __future__ import annotations
 
+import gzip
 import json
 import random
 import re
@@ -319,6 +320,10 @@ def test_data_entries_take_record_ranges(tmp_path, monkeypatch):
                       data=f"{path}[1:3],{path}[4:]")
     examples, _ = trainer.load_examples(cfg, tokenizer=None)
     assert sorted(e.input_ids[0] for e in examples) == [11, 12, 14]
+    packed = tmp_path / "f.jsonl.gz"  # the shipped larger files are kept gzipped
+    packed.write_bytes(gzip.compress(path.read_bytes()))
+    cfg = TrainConfig(drafter="moa", target="t", out=tmp_path, heldout=1, max_tokens=10**6, data=f"{packed}[1:3]")
+    assert sorted(e.input_ids[0] for e in trainer.load_examples(cfg, tokenizer=None)[0]) == [11, 12]
     for bad in ("[a:]", "[1]", "[1:2:3]", "[-1:]"):
         with pytest.raises(ValueError, match="record range"):
             TrainConfig(drafter="moa", target="t", out=tmp_path, data=f"{path}{bad}")

@@ -20,6 +20,7 @@ file as an uninterrupted one.
 """
 from __future__ import annotations
 
+import gzip
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -190,9 +191,12 @@ def parse_data_entry(entry: str) -> tuple[str, slice]:
 
 def load_distilled(path: str | Path, max_len: int, records: slice = slice(None)) -> list[Example]:
     """Examples (prompt + answer ids, loss on the answer) from the `records` of a distill-data
-    file; the prompt, multi-turn history included, carries no loss."""
+    file (or its gzip copy, `*.jsonl.gz`, as the larger shipped files are kept); the prompt,
+    multi-turn history included, carries no loss."""
     examples = []
-    for line in Path(path).read_text().splitlines()[1:][records]:
+    path = Path(path)
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    for line in text.splitlines()[1:][records]:
         record = json.loads(line)
         prompt, answer = record["prompt_ids"], record["answer_ids"]
         ids = (prompt + answer)[:max_len]

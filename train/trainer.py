@@ -666,7 +666,10 @@ def model_card(cfg: TrainConfig, t: Trainee, identity: TargetIdentity, state: di
         f"{f' --kl-weight {cfg.kl_weight:g}' if cfg.kl_weight != KL_WEIGHT else ''}"
         f" --train-vocab {cfg.train_vocab} --dtype {cfg.dtype} "
         f"--seed {cfg.seed}" + (f" --init {cfg.init}" if cfg.init else "")
-        + (f" --skip-tokens {cfg.skip_tokens}" if cfg.skip_tokens else "") + " --out DIR`", ""])
+        + (f" --skip-tokens {cfg.skip_tokens}" if cfg.skip_tokens else "")
+        + (f" --device {cfg.device}" if cfg.device != "cpu" else "")
+        + (f" --max-minutes {cfg.max_minutes:g}" if cfg.max_minutes else "")  # where the clock stopped the run
+        + (" --time-schedule" if cfg.time_schedule else "") + " --out DIR`", ""])
 
 
 def _save_checkpoint(cfg: TrainConfig, t: Trainee, identity: TargetIdentity, state: dict, record: dict) -> None:

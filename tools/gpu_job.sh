@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# splitspec's training job for a lent GPU machine (docs/training.md, "Session 24"). Runs from the
+# checkout's root there, after ../shared/gpu/bootstrap.sh, with .gpu-a/.gpu-b/.gpu-c in place
+# (tools/gpu_prepare.sh builds them; each call's working tree is a fresh copy, so a call that
+# carries a folder copies it to /tmp and the last call links them back). In one command of < 10 min:
+# 1. for DISTILL_S seconds, extend the later-turn answers (data/smollm2-answers-later-cuda.jsonl.gz,
+#    resumed; the first-turn prompts of <= 256 tokens are all answered since session 24);
+# 2. fine-tune moa (tli 0) and eagle2 from .gpu-c/init on every distilled file for TRAIN_MIN minutes,
+#    the lr decay and staircase on the clock (--time-schedule);
+# 3. copy what must survive under $OUT after each phase (at most 8 files of 16 MB come back).
+# Settings by environment: DEVICE DISTILL_S DBATCH TRAIN_MIN BATCH LR MAXLEN EVALP R.
+set -u
+T0=$(date +%s)
+DEVICE=${DEVICE:-cuda}; DISTILL_S=${DISTILL_S:-150}; DBATCH=${DBATCH:-384}; TRAIN_MIN=${TRAIN_MIN:-4.3}
+BATCH=${BATCH:-32}; LR=${LR:-3e-4}; MAXLEN=${MAXLEN:-1024}; EVALP=${EVALP:-2}
+R=${R:-/tmp/run}; mkdir -p "$R" "$OUT"
+log() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/job.log"; }
+nvidia-smi --query-gpu=name,memory.total --format=csv >> "$OUT/job.log" 2>&1
+python3 -c "import torch, transformers; print('torch', torch.__version__, torch.cuda.is_available(), 'transformers', transformers.__version__)" >> "$OUT/job.log" 2>&1
+
+GROWN=smollm2-answers-later-cuda.jsonl
+[ -f "$R/$GROWN" ] || gunzip -c ".gpu-b/data/$GROWN.gz" > "$R/$GROWN"
+if [ "$DISTILL_S" -gt 0 ]; then
+  log "distill start (${DISTILL_S}s, batch $DBATCH)"
+  # the header of the grown file fixes these settings (batch and device included): keep them
+  timeout "$DISTILL_S" splitspec distill-data --device "$DEVICE" --batch "$DBATCH" --turns later --max-prompt-len 768 \
+    --limit 30000 --out "$R/$GROWN" > "$R/distill.log" 2>&1
+  log "distill rc=$? records=$(( $(wc -l < "$R/$GROWN") - 1 ))"
+  gzip -c "$R/$GROWN" > "$OUT/$GROWN.gz"
+fi
+
+DATA=$(ls .gpu-b/data/*.jsonl.gz | grep -v "/$GROWN.gz$" | paste -sd, -),$R/$GROWN
+train() {  # $1 dtype, $2 minutes, $3 run folder
+  timeout $(python3 -c "print(int($2 * 60 + 150))") splitspec train --drafter moa,eagle2 --device "$DEVICE" \
+    --dtype "$1" --init .gpu-c/init --data "$DATA" --max-len "$MAXLEN" --batch "$BATCH" --lr "$LR" --staircase 0.5 \
+    --epochs 200 --max-tokens 100000000 --max-minutes "$2" --time-schedule --eval-every 1000000 \
+    --eval-prompts "$EVALP" --heldout 16 --out "$3" > "$3.log" 2>&1
+}
+log "train start (${TRAIN_MIN} min, batch $BATCH, lr $LR, max-len $MAXLEN; data $DATA)"
+T1=$(date +%s); train bfloat16 "$TRAIN_MIN" "$R/train"; rc=$?
+log "train rc=$rc"
+if [ $rc -ne 0 ] && [ $(( $(date +%s) - T1 )) -lt 90 ]; then  # an early failure under autocast: once more in fp32
+  tr '\r' '\n' < "$R/train.log" | tail -c 3000 > "$OUT/train-bf16-failed.log"
+  left=$(python3 -c "print(max(0.5, $TRAIN_MIN - ($(date +%s) - $T1) / 60))")
+  log "retry in float32 for $left min"; rm -rf "$R/train"; train float32 "$left" "$R/train"; log "train rc=$?"
+fi
+tr '\r' '\n' < "$R/train.log" | grep -v "^train moa" | tail -c 6000 > "$OUT/train.log"
+tr '\r' '\n' < "$R/train.log" | grep "^train moa" | tail -3 >> "$OUT/train.log"
+for n in moa-tli0 eagle2; do cp "$R/train/$n/model.safetensors" "$OUT/$n.safetensors" 2>/dev/null; done
+tar czf "$OUT/small.tgz" -C "$R" --exclude='*.safetensors' --exclude='*.pt' train 2>/dev/null
+log "done"
+ls -la "$OUT" >> "$OUT/job.log"

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Build the three transfer folders for a lent GPU machine (../shared/gpu/prepare.sh), plus what
+# splitspec's own GPU job needs on top of that kit (docs/training.md, "Session 24"):
+#   .gpu-b/wheels  transformers >= 5.24 and the versions it checks at import (the GPU image's 5.17
+#                  would take `cache=` silently into **kwargs: shared/models.check_transformers)
+#   .gpu-b/data    the distilled answers, gzipped
+#   .gpu-c/init    the shipped moa-tli0 and eagle2 checkpoints (the fine-tuning start)
+#   .gpu-c/job.sh  tools/gpu_job.sh
+# Run from the checkout with `../shared/gpu/slim.sh on` first (and `off` before any commit).
+# Each folder must stay under the 64 MiB a transfer carries (printed at the end).
+set -euo pipefail
+root=$(git rev-parse --show-toplevel)
+cd "$root"
+bash "$root/../shared/gpu/prepare.sh"
+py=.venv/bin/python
+mkdir -p .gpu-b/wheels .gpu-b/data .gpu-c/init
+"$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu-b/wheels \
+  "transformers==$("$py" -c 'import transformers; print(transformers.__version__)')" huggingface-hub==1.33.0 \
+  "tokenizers==$("$py" -c 'import tokenizers; print(tokenizers.__version__)')" \
+  "safetensors==$("$py" -c 'import safetensors; print(safetensors.__version__)')" \
+  "regex==$("$py" -c 'import regex; print(regex.__version__)')" 2>&1 | grep -vi warning || true
+for f in data/smollm2-answers*.jsonl; do gzip -c "$f" > ".gpu-b/data/$(basename "$f").gz"; done
+cp data/smollm2-answers*.jsonl.gz .gpu-b/data/
+cp -r client/checkpoints/smollm2-135m/moa-tli0 client/checkpoints/smollm2-135m/eagle2 .gpu-c/init/
+cp tools/gpu_job.sh .gpu-c/job.sh
+du -sh .gpu-a .gpu-b .gpu-c
