@@ -203,6 +203,16 @@ def test_lsa_memory_is_per_token_across_chunks(stories, pool):
             torch.testing.assert_close(together[i], drafter.memory(layer_kv[i:i + 1])[0], rtol=1e-4, atol=1e-5)
 
 
+def test_lsa_chunks_are_small_on_a_cpu_only():
+    """On an accelerator every LSA pass is a round of kernel launches, so a training batch runs in a
+    few passes; on a CPU, chunks that stay in cache (measured faster there)."""
+    from splitspec.shared.drafters.moa import LSA_CHUNK, lsa_chunk
+
+    assert lsa_chunk(torch.device("cpu")) == LSA_CHUNK == 64
+    assert lsa_chunk(torch.device("cuda")) >= 32 * 128  # a 32 x 1,024 batch in <= 8 passes
+    assert lsa_chunk("meta") == lsa_chunk(torch.device("cuda"))
+
+
 def test_prompt_lsa_runs_in_bf16_only_where_asked(stories, monkeypatch):
     """lsa_autocast: bf16 for a prompt's positions when bf16 is measured faster, fp32 for a verify
     step's few positions, for a drafter not in fp32, and where bf16 is slower; the memory stays

@@ -39,8 +39,15 @@ from transformers.models.llama.modeling_llama import (
 from splitspec.shared.models import fastest_dtype
 
 LSA_POOLS = ("mean", "learned")
-LSA_CHUNK = 64  # tokens per LSA pass (see MoADrafter.memory)
+LSA_CHUNK = 64  # tokens per LSA pass on a CPU (see MoADrafter.memory)
+LSA_CHUNK_ACCELERATOR = 8192  # elsewhere: few passes (each pass is ~25 kernel launches, ~75 with backward)
 LSA_BF16_MIN = 16  # runtimes compute the memory of this many new positions or more in bf16 (see lsa_autocast)
+
+
+def lsa_chunk(device: torch.device) -> int:
+    """Tokens per LSA pass on `device` (see `MoADrafter.memory`): small on a CPU, where chunks that
+    stay in cache are faster; large elsewhere, where each pass is a round of kernel launches."""
+    return LSA_CHUNK if torch.device(device).type == "cpu" else LSA_CHUNK_ACCELERATOR
 
 
 def lsa_autocast(tokens: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
@@ -206,9 +213,11 @@ class MoADrafter(nn.Module):
     def memory(self, layer_kv: torch.Tensor) -> torch.Tensor:
         """LSA over layers, pooling over layers (mean, or learned softmax weights), projection.
 
-        Each token's layer stack is its own sequence, so tokens run `LSA_CHUNK` at a time: over a
-        long prompt the block's elementwise work on [N, L, W] is memory-bound, and chunks that stay
-        in cache made the open of a 769-token prompt 1.5x faster (2-core CPU, fp32).
+        Each token's layer stack is its own sequence, so tokens run in chunks (`lsa_chunk`): on a CPU
+        `LSA_CHUNK` at a time, since over a long prompt the block's elementwise work on [N, L, W] is
+        memory-bound and chunks that stay in cache made the open of a 769-token prompt 1.5x faster
+        (2-core CPU, fp32); on an accelerator `LSA_CHUNK_ACCELERATOR`, since there every pass costs
+        kernel launches (a training batch of 32 x 1,024 tokens in chunks of 64 was ~15K ops a step).
         layer_kv [N, L, W] -> memory [N, E].
         """
         n, layers, _ = layer_kv.shape
@@ -223,7 +232,7 @@ class MoADrafter(nn.Module):
         else:
             pool = lambda out: out.mean(dim=1)  # noqa: E731
         pooled = [pool(self.lsa(chunk, attention_mask=full, position_ids=positions, position_embeddings=rope))
-                  for chunk in layer_kv.split(LSA_CHUNK)]
+                  for chunk in layer_kv.split(lsa_chunk(layer_kv.device))]
         return self.lsa_out(torch.cat(pooled) if len(pooled) > 1 else pooled[0])
 
     def memory_kv(self, memory: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
