@@ -91,7 +91,7 @@ def _add_verify_cost_parser(sub) -> None:
     p.add_argument("--context", type=int, default=300, help="prefix tokens before the timed step")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--prompts", type=int, default=6, help="Spec-Bench prompts of the greedy-agreement check")
+    p.add_argument("--prompts", type=int, default=6, help="Spec-Bench prompts of the greedy-agreement check (0: skip it)")
     p.add_argument("--linear", default="torch,onednn",
                    help="linear-layer backends to measure side by side (shared/packed_linear.py)")
     p.add_argument("--new-tokens", type=int, default=64)

@@ -80,6 +80,8 @@ def greedy_mismatches(model, tokenizer, prompts: list[list[int]], new_tokens: in
     """Per prompt: the first answer position where the verifier's greedy output (ngram drafter)
     differs from the same model's `generate()`, or None; and that speculative decoding's tokens/s
     over all prompts."""
+    if not prompts:  # --prompts 0: no agreement check
+        return [], float("nan")
     from splitspec.client.drafters import NgramDrafter
     from splitspec.client.loop import SpeculativeDecoder
     from splitspec.server.local import LocalVerifier
@@ -102,6 +104,8 @@ def _ratio(base: float | None, ms: float) -> str:
 
 
 def _differ(diffs: list[int | None]) -> str:
+    if not diffs:
+        return "not checked (--prompts 0)"
     differ = [d for d in diffs if d is not None]
     where = f" (first at token {', '.join(map(str, differ))})" if differ else ""
     return f"{len(differ)} of {len(diffs)}{where}"

@@ -39,3 +39,13 @@ def test_substitute_forward_is_the_one_timed():
     assert calls == [5] * 4  # repeats + the discarded first call, all through the substitute
     torch.testing.assert_close(wrapped, eager)
 
+
+
+def test_no_agreement_prompts_is_reported_not_divided_by():
+    """verify-cost --prompts 0 skips the greedy-agreement check instead of dividing by zero."""
+    from splitspec.bench.verify_cost_bench import _differ, greedy_mismatches
+
+    diffs, tok_s = greedy_mismatches(_model("qwen2"), None, [], 4)
+    assert diffs == [] and tok_s != tok_s  # NaN: nothing decoded
+    assert _differ([]) == "not checked (--prompts 0)"
+    assert _differ([None, 3]) == "1 of 2 (first at token 3)"
