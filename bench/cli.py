@@ -75,6 +75,7 @@ def _add_serve_bench_parser(sub) -> None:
     p.add_argument("--limit", type=int, default=2, help="Spec-Bench prompts per category the clients cycle through")
     p.add_argument("--spec-bench", default=None, help="path to Spec-Bench question.jsonl")
     p.add_argument("--threads", type=int, default=None, help="the server's torch threads (default: torch's)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="the server's device (`serve --device`)")
     p.add_argument("--out", default=None, help="also write the table to this file")
     p.set_defaults(func=cmd_serve_bench)
 
@@ -87,7 +88,9 @@ def cmd_verify_cost(args) -> None:
 
 def _add_verify_cost_parser(sub) -> None:
     p = sub.add_parser("verify-cost", help="one verify step's cost in fp32 and bf16 against the bandwidth floor")
-    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--target", default=DEFAULT_TARGET,
+                   help="a model name, or random:llama-8b (Llama-3-8B's shape, random weights; with --prompts 0)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--context", type=int, default=300, help="prefix tokens before the timed step")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--threads", type=int, default=2)

@@ -11,6 +11,10 @@ Measured here, in one process:
 - how often greedy decoding through the verifier differs from the same dtype's plain
   `generate()` (bf16 rounding depends on matmul shapes, which a tree forward changes): answers to
   `--prompts` Spec-Bench prompts with the ngram drafter, and where they first differ;
+- `--device cuda` runs all of it on a GPU (the bandwidth copy on the GPU's memory, every timed
+  forward synchronised), and `--target random:llama-8b` times a Llama of Llama-3-8B's shape with
+  random weights (no tokenizer: pair it with `--prompts 0`), the large target the issue asks about
+  where no such checkpoint is at hand;
 - with `--compile`, the same forwards through `torch.compile(model.forward, dynamic=True)` (the
   runner's cache class and mask, inductor's default mode), timed beside eager on the same inputs
   once compiled, with the compile time and the largest logit difference from eager.
@@ -32,17 +36,54 @@ from splitspec.shared.tree import DraftTree, tree_buffers
 from .prompts import load_prompts
 
 POSITIONS = (1, 2, 5, 9, 25)
+RANDOM = "random:"
+# Llama shapes built with random weights (`--target random:NAME`): llama-8b is Llama-3-8B's
+# (meta-llama/Meta-Llama-3-8B config.json); llama-tiny is for tests.
+RANDOM_SHAPES = {
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+                     rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "llama-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024),
+}
 
 
-def copy_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
-    """Bytes moved (read + write) per second by a tensor copy, best of `repeats`, in GB/s."""
-    src = torch.ones(megabytes * 2**20 // 4)
+def random_model(name: str, dtype: str, device: str):
+    """A Llama of the named shape (`RANDOM_SHAPES`) with random weights, built directly on `device`
+    in `dtype` (an 8B model never passes through fp32 or host memory). Figures timed on it are
+    shape figures, not a trained model's: say so wherever they are written.
+
+    Raises:
+        ValueError: an unknown shape name.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if name not in RANDOM_SHAPES:
+        raise ValueError(f"no random shape {name!r}; known: {', '.join(RANDOM_SHAPES)}")
+    torch.manual_seed(0)
+    config = LlamaConfig(**RANDOM_SHAPES[name])
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(config, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+    return model.eval().requires_grad_(False)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth_gbs(megabytes: int = 512, repeats: int = 5, device: str | torch.device = "cpu") -> float:
+    """Bytes moved (read + write) per second by a tensor copy on `device`, best of `repeats`, in GB/s."""
+    device = torch.device(device)
+    src = torch.ones(megabytes * 2**20 // 4, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
     best = float("inf")
     for _ in range(repeats):
+        _sync(device)
         start = time.perf_counter()
         dst.copy_(src)
+        _sync(device)
         best = min(best, time.perf_counter() - start)
     return 2 * src.numel() * 4 / best / 1e9
 
@@ -55,25 +96,29 @@ def step_ms(model, context: int, positions: int, repeats: int, forward=None) -> 
     """
     forward = forward or model.forward
     vocab = model.config.vocab_size
-    generator = torch.Generator().manual_seed(context * 1000 + positions)
+    weight = next(model.parameters())
+    device = weight.device
+    generator = torch.Generator().manual_seed(context * 1000 + positions)  # ids drawn on the CPU: any device
     prefix = DynamicCache()
     with torch.inference_mode():
-        model(input_ids=torch.randint(0, vocab, (1, context), generator=generator), cache=prefix,
+        model(input_ids=torch.randint(0, vocab, (1, context), generator=generator).to(device), cache=prefix,
               use_cache=True)
         buffers = tree_buffers(DraftTree.chain(list(range(positions - 1))).parents)
-        mask = buffers.attention_mask(context, next(model.parameters()).dtype)
-        position_ids = buffers.position_ids(context)
-        ids = torch.randint(0, vocab, (1, positions), generator=generator)
+        mask = buffers.attention_mask(context, weight.dtype, device)
+        position_ids = buffers.position_ids(context).to(device)
+        ids = torch.randint(0, vocab, (1, positions), generator=generator).to(device)
         times = []
         for _ in range(repeats + 1):
             cache = DynamicCache()
             for i, layer in enumerate(prefix.layers):
                 cache.update(layer.keys.clone(), layer.values.clone(), i)
+            _sync(device)
             start = time.perf_counter()
             out = forward(input_ids=ids, cache=cache, use_cache=True, attention_mask=mask,
                           position_ids=position_ids)
+            _sync(device)
             times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times[1:]), out.logits[0].float()
+    return statistics.median(times[1:]), out.logits[0].float().cpu()
 
 
 def greedy_mismatches(model, tokenizer, prompts: list[list[int]], new_tokens: int) -> tuple[list[int | None], float]:
@@ -113,22 +158,34 @@ def _differ(diffs: list[int | None]) -> str:
 
 def cmd_verify_cost(args) -> None:
     torch.set_num_threads(args.threads)
+    device = getattr(args, "device", "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("verify-cost --device cuda: torch sees no CUDA device here")
     asked = {b.strip() for b in args.linear.split(",") if b.strip()}
     if asked - {"torch", "onednn"}:
         raise SystemExit(f"verify-cost --linear {args.linear}: expected torch and/or onednn")
     linears = [b for b in ("torch", "onednn") if b in asked]  # torch first: the "1 pos vs torch" column's base
-    if "onednn" in linears and not onednn_available():
-        print("verify-cost: this torch build has no oneDNN prepacked linear; measuring torch only", file=sys.stderr)
+    if "onednn" in linears and (device != "cpu" or not onednn_available()):
+        print("verify-cost: no oneDNN prepacked linear here (a CPU-only path, or this torch build lacks it); "
+              "measuring torch only", file=sys.stderr)
         linears = [b for b in linears if b != "onednn"]
+    randomised = args.target.startswith(RANDOM)
+    if randomised and args.prompts:
+        raise SystemExit(f"verify-cost --target {args.target}: random weights have no tokenizer; add --prompts 0")
     variants, tokenizer, model_id = {}, None, args.target
     for dtype in ("float32", "bfloat16"):
         for linear in linears:
-            model, tokenizer, model_id = load_model(args.target, dtype=dtype, linear=linear)
+            if randomised:
+                variants[(dtype, linear)] = random_model(args.target[len(RANDOM):], dtype, device)
+                model_id = f"{args.target} (random weights)"
+                continue
+            model, tokenizer, model_id = load_model(args.target, device=device, dtype=dtype, linear=linear)
             variants[(dtype, linear)] = model
-    bandwidth = copy_bandwidth_gbs()
-    texts = load_prompts(["spec_bench"], 1, args.spec_bench)[: args.prompts]
+    bandwidth = copy_bandwidth_gbs(device=device)
+    texts = load_prompts(["spec_bench"], 1, args.spec_bench)[: args.prompts] if args.prompts else []
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": p["text"]}]) for p in texts]
-    lines = [f"target {model_id}, {args.threads} torch threads, context {args.context} tokens, median of "
+    where = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {args.threads} torch threads"
+    lines = [f"target {model_id}, {where}, context {args.context} tokens, median of "
              f"{args.repeats}; copy bandwidth {bandwidth:.1f} GB/s (read + write); linear layers: torch = "
              "transformers' nn.Linear (MKL), onednn = prepacked (shared/packed_linear.py)", "",
              "| dtype | linear | weights MB | floor ms | " + " | ".join(f"{n} pos ms" for n in POSITIONS)

@@ -28,7 +28,8 @@ def target_greedy(model, prompt_ids: Sequence[int], max_new_tokens: int,
         from transformers import LogitsProcessorList
 
         processors = LogitsProcessorList([_ContextualPenalty(penalty, penalty_window)])
-    out = model.generate(torch.tensor([list(prompt_ids)]), max_new_tokens=max_new_tokens, do_sample=False,
+    ids = torch.tensor([list(prompt_ids)], device=next(model.parameters()).device)
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
                          streamer=streamer, logits_processor=processors, **stop)[0, len(prompt_ids):].tolist()
     if eos_token_ids:
         out = out[: next((i + 1 for i, t in enumerate(out) if t in eos_token_ids), len(out))]
