@@ -6,6 +6,7 @@
 #   .gpu-b/data    the distilled answers, gzipped
 #   .gpu-c/init    the shipped moa-tli0 and eagle2 checkpoints (the fine-tuning start)
 #   .gpu-c/job.sh  tools/gpu_job.sh
+#   .gpu-c/question.jsonl  Spec-Bench's prompts, for tools/gpu_checks.sh
 # Run from the checkout with `../shared/gpu/slim.sh on` first (and `off` before any commit).
 # Each folder must stay under the 64 MiB a transfer carries (printed at the end).
 set -euo pipefail
@@ -24,4 +25,5 @@ for f in data/smollm2-answers*.jsonl; do gzip -c "$f" > ".gpu-b/data/$(basename 
 cp data/smollm2-answers*.jsonl.gz .gpu-b/data/
 cp -r client/checkpoints/smollm2-135m/moa-tli0 client/checkpoints/smollm2-135m/eagle2 .gpu-c/init/
 cp tools/gpu_job.sh .gpu-c/job.sh
+cp "$root/../shared/data/spec_bench/question.jsonl" .gpu-c/  # tools/gpu_checks.sh's prompts (no ../shared there)
 du -sh .gpu-a .gpu-b .gpu-c
