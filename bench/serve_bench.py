@@ -106,7 +106,7 @@ def cmd_serve_bench(args) -> None:
         port = free_port()
         server = start_server(args.target, port, extra=["--max-batch", str(max_batch), "--max-sessions",
                                                         str(max(clients) + 1),
-                                                        "--device", getattr(args, "device", "cpu")],
+                                                        "--device", args.device],
                               threads=args.threads)
         try:
             run_clients(f"127.0.0.1:{port}", 1, prompts, drafter, fingerprint, args.target, 2.0, 8)  # warm-up
@@ -131,7 +131,7 @@ def render(results: list[ServeResult], args) -> str:
     one = {r.max_batch: r.tok_s for r in results if r.clients == 1}
     unbatched = {r.clients: r.tok_s for r in results if r.max_batch == 1}
     lines = [f"target {args.target}, drafter {args.drafter}, {args.seconds:g} s per point, up to "
-             f"{args.max_new_tokens} tokens per answer, server on {getattr(args, 'device', 'cpu')}, torch threads "
+             f"{args.max_new_tokens} tokens per answer, server on {args.device}, torch threads "
              f"{args.threads or 'default'}",
              "",
              "| max batch | clients | aggregate tokens/s | vs 1 client | vs unbatched | per-client tokens/s | "

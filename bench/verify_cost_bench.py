@@ -158,7 +158,7 @@ def _differ(diffs: list[int | None]) -> str:
 
 def cmd_verify_cost(args) -> None:
     torch.set_num_threads(args.threads)
-    device = getattr(args, "device", "cpu")
+    device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("verify-cost --device cuda: torch sees no CUDA device here")
     asked = {b.strip() for b in args.linear.split(",") if b.strip()}

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
-import itertools
 import json
 import logging
 import os
@@ -236,15 +235,13 @@ def check_transformers(version: str | None = None) -> None:
     Raises:
         RuntimeError: `version` (default: the installed one) below 5.24.
     """
+    from packaging.version import Version
+
     if version is None:
         import transformers
 
         version = transformers.__version__
-    parts = []
-    for piece in version.split(".")[:2]:
-        digits = "".join(itertools.takewhile(str.isdigit, piece))
-        parts.append(int(digits or 0))
-    if tuple(parts) < MIN_TRANSFORMERS:
+    if Version(version).release[:2] < MIN_TRANSFORMERS:
         raise RuntimeError(f"transformers {version} is too old: splitspec needs >= "
                            f"{'.'.join(map(str, MIN_TRANSFORMERS))} (it passes the KV cache as `cache=`, which older "
                            "releases ignore); pip install 'transformers>=5.24,<6'")

@@ -170,5 +170,7 @@ def test_serve_bench_drives_concurrent_clients(stories, serve, stories_path):
     assert tokens > 0 and elapsed >= 1.0 and len(rates) == 3 and all(r > 0 for r in rates) and steps
     table = render([ServeResult(1, 1, 100, 1.0, 100.0, 5.0, 9.0), ServeResult(8, 1, 110, 1.0, 110.0, 5.0, 9.0),
                     ServeResult(1, 8, 200, 1.0, 25.0, 20.0, 40.0), ServeResult(8, 8, 480, 1.0, 60.0, 9.0, 20.0)],
-                   SimpleNamespace(target="t", drafter="ngram", seconds=1.0, max_new_tokens=12, threads=1))
+                   SimpleNamespace(target="t", drafter="ngram", seconds=1.0, max_new_tokens=12, threads=1,
+                                   device="cpu"))
     assert "| 8 | 8 | 480.0 | 4.36x | 2.40x |" in table and "measured 4.36x (max batch 8) -> met" in table
+    assert "server on cpu" in table

@@ -17,7 +17,8 @@ py=.venv/bin/python
 mkdir -p .gpu-b/wheels .gpu-b/data .gpu-c/init
 "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu-b/wheels \
-  "transformers==$("$py" -c 'import transformers; print(transformers.__version__)')" huggingface-hub==1.33.0 \
+  "transformers==$("$py" -c 'import transformers; print(transformers.__version__)')" \
+  huggingface-hub==1.33.0 `# not the venv's 2.x: it needs httpx2, which the GPU image lacks` \
   "tokenizers==$("$py" -c 'import tokenizers; print(tokenizers.__version__)')" \
   "safetensors==$("$py" -c 'import safetensors; print(safetensors.__version__)')" \
   "regex==$("$py" -c 'import regex; print(regex.__version__)')" 2>&1 | grep -vi warning || true

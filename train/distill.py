@@ -143,8 +143,6 @@ def distill_data(cfg: DistillConfig, conversations: list | None = None) -> dict:
         first = json.loads(cfg.out.read_text().splitlines()[0])
         first.setdefault("turns", "first")  # files written before `turns` existed
         first.setdefault("min_prompt_len", 0)  # or before `min_prompt_len`
-        if not first.get("start"):
-            first.pop("start", None)
         if first != header:
             raise ValueError(f"{cfg.out} was written with other settings: {first}")
     else:
