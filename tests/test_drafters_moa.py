@@ -203,14 +203,24 @@ def test_lsa_memory_is_per_token_across_chunks(stories, pool):
             torch.testing.assert_close(together[i], drafter.memory(layer_kv[i:i + 1])[0], rtol=1e-4, atol=1e-5)
 
 
-def test_lsa_chunks_are_small_on_a_cpu_only():
+def test_lsa_chunks_are_small_on_a_cpu_only(stories, monkeypatch):
     """On an accelerator every LSA pass is a round of kernel launches, so a training batch runs in a
-    few passes; on a CPU, chunks that stay in cache (measured faster there)."""
+    few passes; on a CPU, chunks that stay in cache (measured faster there). The memory runs as many
+    passes as `lsa_chunk` of its device says."""
+    from splitspec.shared.drafters import moa
     from splitspec.shared.drafters.moa import LSA_CHUNK, lsa_chunk
 
     assert lsa_chunk(torch.device("cpu")) == LSA_CHUNK == 64
     assert lsa_chunk(torch.device("cuda")) >= 32 * 128  # a 32 x 1,024 batch in <= 8 passes
     assert lsa_chunk("meta") == lsa_chunk(torch.device("cuda"))
+    model, _, _ = stories
+    drafter = MoADrafter(MoAConfig.from_target(model.config)).eval()
+    passes = []
+    drafter.lsa.register_forward_pre_hook(lambda module, args: passes.append(args[0].shape[0]))
+    monkeypatch.setattr(moa, "lsa_chunk", lambda device: 5 if torch.device(device).type == "cpu" else 0)
+    with torch.no_grad():
+        drafter.memory(torch.randn(12, model.config.num_hidden_layers, drafter.config.kv_width))
+    assert passes == [5, 5, 2]
 
 
 def test_prompt_lsa_runs_in_bf16_only_where_asked(stories, monkeypatch):
