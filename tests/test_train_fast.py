@@ -203,6 +203,25 @@ def test_max_minutes_stops_and_resume_continues_exactly(stories_path, tmp_path):
             torch.testing.assert_close(a[name][key], b[name][key], rtol=0, atol=0)
 
 
+def test_profile_steps_write_where_the_time_went_and_change_nothing(stories_path, tmp_path):
+    """--profile-steps N profiles steps 2 .. N + 1 into profile.txt (a run that ends first writes
+    what it saw) and leaves the training itself exactly as it was."""
+    plain = train(_small(stories_path, tmp_path / "a", drafter="moa", epochs=3), progress=False)
+    steps = plain["moa-tli0"]["step"]
+    assert steps >= 4
+    train(_small(stories_path, tmp_path / "b", drafter="moa", epochs=3, profile_steps=2), progress=False)
+    text = (tmp_path / "b" / "profile.txt").read_text()
+    assert re.search(r"profiled steps: 2; wall s per step: [\d.]+, [\d.]+; operators per step: \d+", text), text
+    assert int(re.search(r"operators per step: (\d+)", text)[1]) > 100 and "aten::" in text
+    a, b = _weights(tmp_path / "a")["moa-tli0"], _weights(tmp_path / "b")["moa-tli0"]
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+    train(_small(stories_path, tmp_path / "c", drafter="moa", epochs=3, profile_steps=100), progress=False)
+    assert f"profiled steps: {steps - 1};" in (tmp_path / "c" / "profile.txt").read_text()
+    with pytest.raises(ValueError, match="profile_steps"):
+        _small(stories_path, tmp_path / "d", profile_steps=-1)
+
+
 def test_checkpoint_over_the_size_limit_is_refused(stories):
     model, _, _ = stories
     drafter = build_drafter(DrafterJob("moa"), model.config)

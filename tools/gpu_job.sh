@@ -7,7 +7,8 @@
 #    resumed; the first-turn prompts of <= 256 tokens are all answered since session 24);
 # 2. fine-tune moa (tli 0) and eagle2 from .gpu-c/init on every distilled file for TRAIN_MIN minutes,
 #    the lr decay and staircase on the clock (--time-schedule);
-# 3. copy what must survive under $OUT after each phase (at most 8 files of 16 MB come back).
+# 3. copy what must survive under $OUT after each phase (at most 8 files of 16 MB come back), with
+#    train-profile.txt: torch.profiler over training steps 2-4 (operators by CUDA time, peak memory).
 # Settings by environment: DEVICE DISTILL_S DBATCH TRAIN_MIN BATCH LR MAXLEN EVALP R.
 set -u
 T0=$(date +%s)
@@ -34,7 +35,7 @@ train() {  # $1 dtype, $2 minutes, $3 run folder
   timeout $(python3 -c "print(int($2 * 60 + 150))") splitspec train --drafter moa,eagle2 --device "$DEVICE" \
     --dtype "$1" --init .gpu-c/init --data "$DATA" --max-len "$MAXLEN" --batch "$BATCH" --lr "$LR" --staircase 0.5 \
     --epochs 200 --max-tokens 100000000 --max-minutes "$2" --time-schedule --eval-every 1000000 \
-    --eval-prompts "$EVALP" --heldout 16 --out "$3" > "$3.log" 2>&1
+    --eval-prompts "$EVALP" --heldout 16 --profile-steps 3 --out "$3" > "$3.log" 2>&1
 }
 log "train start (${TRAIN_MIN} min, batch $BATCH, lr $LR, max-len $MAXLEN; data $DATA)"
 T1=$(date +%s); train bfloat16 "$TRAIN_MIN" "$R/train"; rc=$?
@@ -47,6 +48,7 @@ fi
 tr '\r' '\n' < "$R/train.log" | grep -v "^train moa" | tail -c 6000 > "$OUT/train.log"
 tr '\r' '\n' < "$R/train.log" | grep "^train moa" | tail -3 >> "$OUT/train.log"
 for n in moa-tli0 eagle2; do cp "$R/train/$n/model.safetensors" "$OUT/$n.safetensors" 2>/dev/null; done
+cp "$R/train/profile.txt" "$OUT/train-profile.txt" 2>/dev/null  # where the step time went (--profile-steps)
 tar czf "$OUT/small.tgz" -C "$R" --exclude='*.safetensors' --exclude='*.pt' train 2>/dev/null
 log "done"
 ls -la "$OUT" >> "$OUT/job.log"

@@ -87,6 +87,9 @@ def _add_train_parser(sub) -> None:
                    help="the lr decay and MoA's staircase follow --max-minutes as well as the steps (whichever is "
                         "further along), so a run the clock stops has finished its schedule; for a machine of unknown "
                         "speed, with --epochs set high")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="run torch.profiler over this many steps after the first and write OUT/profile.txt (time "
+                        "per step, operators per step, operators by self time; CUDA time on a GPU)")
     p.add_argument("--heldout", type=int, default=16, help="held-out conversations (loss, top-1, memory gain)")
     p.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts of the tau measurement")
     p.add_argument("--eval-new-tokens", type=int, default=48, help="tokens generated per tau prompt")
@@ -104,8 +107,8 @@ def train_config(args):
         raise SystemExit("splitspec train: --out is required (unless --eval-only)")
     return _config(args, Path(args.out or "."), max_tokens=args.max_tokens, epochs=args.epochs,
                    eval_every=args.eval_every, max_minutes=args.max_minutes, resume=args.resume,
-                   time_schedule=args.time_schedule, heldout=args.heldout, eval_prompts=args.eval_prompts, eval_new_tokens=args.eval_new_tokens,
-                   eval_only=args.eval_only)
+                   time_schedule=args.time_schedule, profile_steps=args.profile_steps, heldout=args.heldout,
+                   eval_prompts=args.eval_prompts, eval_new_tokens=args.eval_new_tokens, eval_only=args.eval_only)
 
 
 def cmd_train(args) -> None:

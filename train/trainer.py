@@ -117,6 +117,7 @@ class TrainConfig:
     # auto = bfloat16 where it is measured faster here (`fastest_dtype`)
     max_minutes: float = 0.0  # stop cleanly after this long (0 = no limit)
     time_schedule: bool = False  # lr decay and staircase follow max_minutes too (whichever is further along)
+    profile_steps: int = 0  # profile this many steps (after the first) into <out>/profile.txt (train/step_profile.py)
     seed: int = 0
     device: str = "cpu"
     resume: bool = False
@@ -129,6 +130,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.dtype == "auto":
             self.dtype = fastest_dtype(self.device)
+        if self.profile_steps < 0:
+            raise ValueError(f"profile_steps must be >= 0, got {self.profile_steps}")
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError(f"dtype must be bfloat16, float32 or auto, got {self.dtype!r}")
         if self.data != "sharegpt":
@@ -417,6 +420,15 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
     clock, start_s = RunClock().install(), state["elapsed_s"]  # a pause with SIGTSTP does not count
     layer_inputs = _layer_inputs(trainees)
     bar = tqdm(total=total_steps, initial=state["step"], disable=not progress, desc="train " + cfg.drafter)
+    profiler = None
+    if cfg.profile_steps:
+        from .step_profile import StepProfiler
+
+        profiler = StepProfiler(cfg.profile_steps, cfg.device, cfg.out / "profile.txt",
+                                header=f"splitspec train --drafter {cfg.drafter} --batch {cfg.batch} --max-len "
+                                       f"{cfg.max_len} --dtype {cfg.dtype} on {_hardware(cfg)}")
+    if cfg.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     stopping = False
     try:
         while state["step"] < total_steps and not stopping:
@@ -429,6 +441,8 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
             metrics = {t.job.name: _train_step(cfg, t, target, vocab, at, total_steps) for t in trainees}
             state["step"] += 1
             state["tokens"] += batch.tokens
+            if profiler is not None:
+                profiler.step()
             bar.update(1)
             bar.set_postfix({name: f"{m['loss']:.2f}/{m['top1']:.2f}" for name, m in metrics.items()})
             elapsed = start_s + clock.elapsed()
@@ -438,6 +452,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
                 for t in trainees:
                     record = {"step": state["step"], "tokens": state["tokens"],
                               "tokens_total": t.init_tokens + state["tokens"], "elapsed_s": round(elapsed, 1),
+                              **_device_memory(cfg),
                               "train": metrics[t.job.name],
                               **evaluate(cfg, _on_cpu(t.drafter, cfg), t.eval_parts, eval_model, tokenizer, held,
                                          held_examples, t.job)}
@@ -449,6 +464,8 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
                 _save_state(cfg, state, trainees)
     finally:
         clock.uninstall()
+        if profiler is not None:
+            profiler.close()
     bar.close()
     return {t.job.name: (t.history[-1] if t.history else {}) for t in trainees}
 
@@ -612,10 +629,27 @@ def measure_tau(cfg, drafter, parts, target_model, tokenizer, conversations, job
     return accept_length(records)
 
 
-def model_card(cfg: TrainConfig, t: Trainee, identity: TargetIdentity, state: dict, record: dict) -> str:
-    """A short Markdown card: what the drafter is, what it was trained on, how well it drafts."""
+def _hardware(cfg: TrainConfig) -> str:
+    """The training device in words: the GPU's name, or the CPU and its torch threads."""
     import platform
 
+    if cfg.device == "cuda":
+        return torch.cuda.get_device_name()
+    return f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
+
+
+def _device_memory(cfg: TrainConfig) -> dict:
+    """{"peak_gpu_memory_gib": ...} since the run (or its last evaluation) on a GPU, else {}: what
+    tells the next run on that GPU how much larger a batch fits."""
+    if cfg.device != "cuda":
+        return {}
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    torch.cuda.reset_peak_memory_stats()
+    return {"peak_gpu_memory_gib": round(peak, 2)}
+
+
+def model_card(cfg: TrainConfig, t: Trainee, identity: TargetIdentity, state: dict, record: dict) -> str:
+    """A short Markdown card: what the drafter is, what it was trained on, how well it drafts."""
     job = t.job
     params = sum(p.numel() for p in t.drafter.parameters())
     name = f"moa (tli={job.tli})" if job.kind == "moa" else job.kind
@@ -628,8 +662,7 @@ def model_card(cfg: TrainConfig, t: Trainee, identity: TargetIdentity, state: di
                  f"{cfg.staircase:.0%} of steps" if job.kind == "moa" else
                  f"; CSGD (glancing ratio {FALCON_GLANCE})" if job.kind == "falcon" else "")
     gain = f", memory gain {record['memory_gain']:+.3f}" if "memory_gain" in record else ""
-    hardware = (torch.cuda.get_device_name() if cfg.device == "cuda" else
-                f"{platform.machine()} CPU, {torch.get_num_threads()} threads")
+    hardware = _hardware(cfg)
     drafters = cfg.drafter if len(cfg.jobs()) > 1 else job.name
     return "\n".join([
         f"# {name} drafter for {identity.model_id}", "",
