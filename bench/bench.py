@@ -4,8 +4,11 @@ For each prompt (Spec-Bench first turns by category, HumanEval problems) it runs
 plain `generate()` on the target (single-device autoregressive, the baseline), the single-device
 reference methods (`--local-methods`), then, for every link profile (`--profiles`), each split
 method (`--methods`) against one verify service process reached through that profile's emulated
-link. Greedy decoding: every method must produce the baseline's tokens, and the run says if one
-did not. Client and server share this machine's cores, each with a pinned torch thread count; the
+link. Greedy decoding by default: every method must produce the baseline's tokens, and the run
+says if one did not. With `--temperature` > 0 every method and the baseline sample instead (answer
+i seeded with --seed + i, transformers' own warpers for the baseline); answers are then not
+compared, since losslessness under sampling is a property of the distribution (tested in tests/),
+and the speed-ups are those of a chat client that samples. Client and server share this machine's cores, each with a pinned torch thread count; the
 figures are ratios within the run, never absolute claims. Metrics: bench/metrics.py; tables and
 plots: bench/report.py; the command line: bench/cli.py.
 """
@@ -38,7 +41,8 @@ from splitspec.server.runner import TargetRunner
 from splitspec.shared.drafters.spec import SELF_DRAFTING, DrafterSpec
 from splitspec.shared.models import encode_chat, eos_token_ids, load_model
 from splitspec.shared.records import AnswerRecord
-from splitspec.shared.reference import target_greedy
+from splitspec.shared.reference import target_greedy, target_sampled
+from splitspec.shared.sampling import SamplingParams
 
 from .cli import BACKENDS
 from .metrics import BASELINE, BenchRecord, token_gaps_ms
@@ -70,18 +74,20 @@ class BenchConfig:
     feature_quant: str
     goal_profile: str
     out: Path | None
+    sampling: SamplingParams = SamplingParams()  # greedy by default; answer i samples with seed + i
 
     @classmethod
     def from_args(cls, args) -> "BenchConfig":
-        """Raises ValueError: bad counts, unknown method options, options on single-device methods,
-        unknown link profiles; FileNotFoundError: a profile .toml that does not exist."""
+        """Raises ValueError: bad counts, bad sampling settings, unknown method options, options on
+        single-device methods, unknown link profiles; FileNotFoundError: a profile .toml that does not exist."""
         threads = args.threads if args.threads is not None else max(1, (os.cpu_count() or 2) // 2)
         if threads < 1 or args.limit < 1 or args.max_new_tokens < 1:
             raise ValueError("--threads, --limit and --max-new-tokens must be >= 1")
+        sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
         cfg = cls(args.target, _csv(args.methods), _csv(args.local_methods), _csv(args.profiles), args.backend,
                   args.seed, threads, _csv(args.datasets), _csv(args.categories), args.limit, args.max_new_tokens,
                   args.spec_bench, args.lsa_placement, args.feature_quant, args.goal_profile,
-                  Path(args.out) if args.out else None)
+                  Path(args.out) if args.out else None, sampling)
         for m in cfg.methods:
             cfg.split_spec(m)
         for m in cfg.local_methods:
@@ -120,6 +126,9 @@ class BenchConfig:
                 "--limit": self.limit, "--max-new-tokens": self.max_new_tokens, "--spec-bench": self.spec_bench,
                 "--lsa-placement": self.lsa_placement, "--feature-quant": self.feature_quant,
                 "--goal-profile": self.goal_profile, "--out": self.out}
+        if not self.sampling.greedy:
+            opts |= {"--temperature": self.sampling.temperature, "--top-p": self.sampling.top_p,
+                     "--top-k": self.sampling.top_k}
         words = ["splitspec", "bench"]
         for flag, value in opts.items():
             if value not in (None, ""):
@@ -223,7 +232,8 @@ def cmd_bench(args) -> None:
     prompts = load_prompts(list(cfg.datasets), cfg.limit, cfg.spec_bench, cfg.categories)
     model, tokenizer, model_id = load_model(cfg.target)
     meta = {"target": model_id, "commit": source_commit(), "machine": machine_description(cfg.threads),
-            "seed": cfg.seed, "threads": cfg.threads, "max_new_tokens": cfg.max_new_tokens}
+            "seed": cfg.seed, "threads": cfg.threads, "max_new_tokens": cfg.max_new_tokens,
+            "decoding": decoding_text(cfg.sampling)}
     with contextlib.ExitStack() as stack:
         arms = build_arms(cfg, stack, model, tokenizer, model_id)
         records = run_arms(cfg, prompts, arms, model, tokenizer, meta)
@@ -304,31 +314,35 @@ def run_arms(cfg: BenchConfig, prompts: list[dict], arms: list[Arm], model, toke
     Returns one record per prompt x arm (generate() included); see bench/metrics.py."""
     eos = list(eos_token_ids(model, tokenizer))
     warm = encode_chat(tokenizer, [{"role": "user", "content": "Hello."}])
-    run_baseline(model, warm, WARMUP_TOKENS, eos)
+    run_baseline(model, warm, WARMUP_TOKENS, eos, cfg.sampling)
     for arm in arms:
-        arm.decoder.generate(warm, WARMUP_TOKENS)
+        arm.decoder.generate(warm, WARMUP_TOKENS, cfg.sampling)
     records = []
     with tqdm(total=len(prompts) * (1 + len(arms)), desc="bench", unit="answer", file=sys.stderr) as bar:
-        for prompt in prompts:
+        for i, prompt in enumerate(prompts):
             ids = encode_chat(tokenizer, [{"role": "user", "content": prompt["text"]}])
             facts = {**meta, "dataset": prompt["dataset"], "prompt_tokens": len(ids)}
+            sampling = cfg.sampling if cfg.sampling.greedy else replace(cfg.sampling, seed=cfg.sampling.seed + i)
             bar.set_postfix_str(f"{prompt['category']} generate()")
-            ref, record = run_baseline(model, ids, cfg.max_new_tokens, eos)
+            ref, record = run_baseline(model, ids, cfg.max_new_tokens, eos, sampling)
             records.append(replace(record, category=prompt["category"], id=prompt["id"], details=facts))
             bar.update()
             for arm in arms:
                 bar.set_postfix_str(f"{prompt['category']} {arm.label}")
-                record = run_arm(arm, ids, cfg.max_new_tokens, ref)
+                record = run_arm(arm, ids, cfg.max_new_tokens, ref, sampling)
                 records.append(replace(record, category=prompt["category"], id=prompt["id"],
                                        details={**facts, **record.details}))
                 bar.update()
     return records
 
 
-def run_baseline(model, ids: list[int], max_new_tokens: int, eos: list[int]) -> tuple[list[int], BenchRecord]:
-    """generate() on the target alone: its answer [N] and its record (one target call per token)."""
+def run_baseline(model, ids: list[int], max_new_tokens: int, eos: list[int],
+                 sampling: SamplingParams = SamplingParams()) -> tuple[list[int], BenchRecord]:
+    """generate() on the target alone: its answer [N] and its record (one target call per token).
+    Sampled (`sampling` not greedy) with transformers' own warpers, seeded with `sampling.seed`."""
     clock = ArrivalClock(streamer=True)
-    out = target_greedy(model, ids, max_new_tokens, eos, streamer=clock)
+    out = target_greedy(model, ids, max_new_tokens, eos, streamer=clock) if sampling.greedy else \
+        target_sampled(model, ids, max_new_tokens, eos, sampling, streamer=clock)
     elapsed = time.perf_counter() - clock.start
     latencies = clock.latencies()
     answer = AnswerRecord(len(out), len(out), round(elapsed, 4))
@@ -336,20 +350,31 @@ def run_baseline(model, ids: list[int], max_new_tokens: int, eos: list[int]) -> 
                             details={"tokens_per_s": round(len(out) / elapsed, 3), "tau": 1.0})
 
 
-def run_arm(arm: Arm, ids: list[int], max_new_tokens: int, reference: list[int]) -> BenchRecord:
-    """One answer of one arm: its stats, latencies and whether it equals `reference` [N]."""
+def run_arm(arm: Arm, ids: list[int], max_new_tokens: int, reference: list[int],
+            sampling: SamplingParams = SamplingParams()) -> BenchRecord:
+    """One answer of one arm: its stats, latencies and whether it equals `reference` [N] (None when
+    sampled: a sampled answer need not equal another sample)."""
     if arm.switches is not None:  # every method meets the link's changes at the same moments of its answer
         arm.switches.restart()
     clock = ArrivalClock()
-    gen = arm.decoder.generate(ids, max_new_tokens, on_tokens=clock)
+    gen = arm.decoder.generate(ids, max_new_tokens, sampling, on_tokens=clock)
     s = gen.stats
     answer = replace(s.record(), elapsed_s=round(s.elapsed_s, 3), server_ms=round(s.server_ms, 3))
     latencies = clock.latencies()
     details = {**s.as_dict(), "server_forward_ms": round(sum(c.server_forward_ms for c in s.calls), 3),
                "rtt_ms": round(s.rtt_ms, 3)}
     return BenchRecord(arm.mode, arm.method, arm.profile, "", "", answer, tuple(latencies["itl_ms"]),
-                       latencies["ttft_ms"], gen.tokens == reference, arm.backend, arm.link, arm.lsa, arm.quant,
+                       latencies["ttft_ms"], gen.tokens == reference if sampling.greedy else None, arm.backend,
+                       arm.link, arm.lsa, arm.quant,
                        details)
+
+
+def decoding_text(sampling: SamplingParams) -> str:
+    """'greedy', or the sampling settings in words (the report's header)."""
+    if sampling.greedy:
+        return "greedy"
+    return (f"sampled (temperature {sampling.temperature:g}, top-p {sampling.top_p:g}"
+            + (f", top-k {sampling.top_k}" if sampling.top_k else "") + f", answer i seeded {sampling.seed} + i)")
 
 
 def _profile_names(records: list[BenchRecord]) -> Iterator[str]:

@@ -134,6 +134,13 @@ def _add_bench_parser(sub) -> None:
                    help="keep only these Spec-Bench categories / 'humaneval', comma-separated (default: all)")
     p.add_argument("--limit", type=int, default=1, help="prompts per Spec-Bench category / HumanEval")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (every answer checked token-equal to generate()'s); > 0 samples every method and "
+                        "the generate() baseline alike (answer i seeded with --seed + i; answers then differ by "
+                        "design, so nothing is checked per answer: losslessness under sampling is a distribution "
+                        "property, tested in tests/)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature > 0")
+    p.add_argument("--top-k", type=int, default=0, help="top-k sampling with --temperature > 0 (0 = off)")
     p.add_argument("--spec-bench", default=None, help="path to Spec-Bench question.jsonl")
     p.add_argument("--lsa-placement", default="server", choices=["client", "server"],
                    help="MoA split default: server sends E values per token; client sends every layer's K/V")

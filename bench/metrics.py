@@ -88,7 +88,7 @@ class BenchRecord:
     """One answer of one arm on one prompt (see the module docstring).
 
     answer: the counts; itl_ms / ttft_ms: latencies (`token_gaps_ms`); exact: token-equal to
-    generate()'s answer; lsa / quant: MoA LSA placement and feature quantization (split moa and
+    generate()'s answer (None when sampled: samples need not agree); lsa / quant: MoA LSA placement and feature quantization (split moa and
     eagle2 rows only); link: the LinkProfile's fields; details: every other field of the JSON line
     (run facts, prompt size, the loop's further stats), written back as they came.
     """
@@ -101,7 +101,7 @@ class BenchRecord:
     answer: AnswerRecord
     itl_ms: tuple[float, ...] = ()
     ttft_ms: float | None = None
-    exact: bool = True
+    exact: bool | None = True
     backend: str | None = None
     link: dict | None = None
     lsa: str | None = None
@@ -145,7 +145,7 @@ class GroupStats:
 
     key: GroupKey
     answers: int
-    exact: int  # answers token-equal to generate()'s
+    exact: int | None  # answers token-equal to generate()'s; None when any was sampled (not compared)
     new_tokens: int
     target_calls: int
     tau: float  # shared/records.py accept_length over the group's answers
@@ -219,7 +219,8 @@ def _pool(key: GroupKey, rows: list[BenchRecord]) -> GroupStats:
     answers = [r.answer for r in rows]
     server = [a.server_ms for a in answers]
     return GroupStats(
-        key=key, answers=len(rows), exact=sum(r.exact for r in rows),
+        key=key, answers=len(rows),
+        exact=None if any(r.exact is None for r in rows) else sum(r.exact for r in rows),
         new_tokens=sum(a.new_tokens for a in answers), target_calls=sum(a.target_calls for a in answers),
         tau=accept_length(answers), elapsed_s=sum(a.elapsed_s for a in answers),
         bytes_up=sum(a.bytes_sent for a in answers), bytes_down=sum(a.bytes_received for a in answers),

@@ -69,7 +69,7 @@ def _header(records: list[BenchRecord], meta: dict, cfg) -> str:
     prompts = list(dict.fromkeys((r.category, r.id) for r in records))
     categories = list(dict.fromkeys(c for c, _ in prompts))
     backends = sorted({r.backend for r in records if r.backend}) or ["none (plain loopback)"]
-    lines = [f"target {meta.get('target', '?')}, greedy, {len(prompts)} prompts ({', '.join(categories)}), "
+    lines = [f"target {meta.get('target', '?')}, {meta.get('decoding', 'greedy')}, {len(prompts)} prompts ({', '.join(categories)}), "
              f"up to {meta.get('max_new_tokens', '?')} new tokens each",
              "", f"- commit: {meta.get('commit', '?')}", f"- machine: {meta.get('machine', '?')}",
              f"- link backend: {', '.join(backends)}; seed {meta.get('seed', '?')}"]
@@ -80,6 +80,11 @@ def _header(records: list[BenchRecord], meta: dict, cfg) -> str:
         lines += ["", f"- MoA LSA placement {cfg.lsa_placement}, features {cfg.feature_quant} unless a method says "
                   f"otherwise", f"- command: `{cfg.command()}`"]
     return "\n".join(lines)
+
+
+def _exact(g: GroupStats) -> str:
+    """'k/n' answers token-equal to generate()'s; 'sampled' where they were not compared."""
+    return "sampled" if g.exact is None else f"{g.exact}/{g.answers}"
 
 
 def _link_text(link: dict | None) -> str:
@@ -126,7 +131,7 @@ def detail_table(groups: dict[GroupKey, GroupStats], profile: str | None) -> str
                      f"{_fmt(g.open_kib_down, '.1f')} | "
                      f"{_fmt(g.itl_p50_ms, '.1f')} | {_fmt(g.itl_p99_ms, '.1f')} | {_fmt(g.ttft_p50_ms, '.0f')} | "
                      f"{_fmt(g.server_share, '.0%')} | {_fmt(speedup(groups, k, vs_remote_ar(k)), '.2f', 'x')} | "
-                     f"{_fmt(speedup(groups, k, vs_single_device_ar(k)), '.2f', 'x')} | {g.exact}/{g.answers} |")
+                     f"{_fmt(speedup(groups, k, vs_single_device_ar(k)), '.2f', 'x')} | {_exact(g)} |")
     return "\n".join(lines)
 
 

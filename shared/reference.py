@@ -1,5 +1,6 @@
 """The target alone: plain transformers greedy decoding, the baseline of every lossless claim
-(greedy speculative output must equal it token for token) and of every speed-up."""
+(greedy speculative output must equal it token for token) and of every speed-up; and plain
+sampling, the speed baseline of sampled runs."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -34,6 +35,33 @@ def target_greedy(model, prompt_ids: Sequence[int], max_new_tokens: int,
     if eos_token_ids:
         out = out[: next((i + 1 for i, t in enumerate(out) if t in eos_token_ids), len(out))]
     return out
+
+
+def target_sampled(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_token_ids: Sequence[int],
+                   sampling, streamer=None) -> list[int]:
+    """The target's sampled continuation of `prompt_ids` [P] with `generate()` and transformers' own
+    temperature / top-k / top-p warpers, seeded with `sampling.seed` (the global RNG is left as it
+    was): plain autoregressive sampling, the speed baseline of sampled speculative decoding. Its
+    tokens are one sample, not a reference any other sample must equal.
+
+    Args:
+        sampling: a non-greedy `SamplingParams` (its contextual penalty is not applied here).
+        eos_token_ids: stop after the first of these (included in the answer).
+    Returns:
+        The new token ids [N], N <= max_new_tokens.
+    Raises:
+        ValueError: `sampling` is greedy.
+    """
+    if sampling.greedy:
+        raise ValueError("target_sampled needs a temperature > 0; use target_greedy")
+    ids = torch.tensor([list(prompt_ids)], device=next(model.parameters()).device)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(sampling.seed)
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=True, temperature=sampling.temperature,
+                             top_p=sampling.top_p, top_k=sampling.top_k, streamer=streamer,
+                             eos_token_id=list(eos_token_ids), pad_token_id=eos_token_ids[0])
+    out = out[0, len(prompt_ids):].tolist()
+    return out[: next((i + 1 for i, t in enumerate(out) if t in eos_token_ids), len(out))]
 
 
 class _ContextualPenalty:

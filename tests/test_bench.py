@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
-from splitspec.bench.bench import ArrivalClock, BenchConfig, open_link
+from splitspec.bench.bench import ArrivalClock, BenchConfig, decoding_text, open_link
 from splitspec.shared.config import TreeConfig
 from splitspec.shared.drafters.spec import DrafterSpec
 from splitspec.bench.metrics import (ALL, BenchRecord, GroupKey, aggregate, feature_bytes, goals, quantile, speedup,
                                             token_gaps_ms, vs_remote_ar, vs_single_device_ar)
 from splitspec.bench.report import PLOTS, client_server_table, render_markdown, write_plots
 from splitspec.cli.main import build_parser, main
+from splitspec.shared.reference import target_sampled
+from splitspec.shared.sampling import SamplingParams
 
 META = {"target": "tiny", "commit": "abc123", "machine": "test box", "seed": 0, "max_new_tokens": 8}
 
@@ -182,6 +185,42 @@ def test_method_options_and_config_errors():
             pass
 
 
+def test_sampled_bench_settings_reach_the_config_the_command_and_the_report():
+    """--temperature > 0 samples (answer i seeded seed + i), says so in the command and the header,
+    and the exact column reads 'sampled' (answers are not compared); bad settings are refused."""
+    parser = build_parser()
+    greedy = BenchConfig.from_args(parser.parse_args(["bench"]))
+    assert greedy.sampling.greedy and "--temperature" not in greedy.command()
+    cfg = BenchConfig.from_args(parser.parse_args(["bench", "--temperature", "0.7", "--top-p", "0.9", "--seed", "3"]))
+    assert (cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.top_k, cfg.sampling.seed) == (0.7, 0.9, 0, 3)
+    assert "--temperature 0.7 --top-p 0.9 --top-k 0" in cfg.command()
+    for bad in (["--top-p", "0"], ["--temperature", "-1"], ["--top-k", "-2"]):
+        with pytest.raises(ValueError):
+            BenchConfig.from_args(parser.parse_args(["bench", "--temperature", "1", *bad]))
+    rows = [replace(r, exact=None) for r in synthetic_run()]
+    assert aggregate(rows)[GroupKey("local", "moa", None, ALL)].exact is None
+    md = render_markdown(rows, {**META, "decoding": decoding_text(cfg.sampling)})
+    assert "target tiny, sampled (temperature 0.7, top-p 0.9, answer i seeded 3 + i)," in md
+    assert "| sampled |" in md and "/1 |" not in md
+    assert "| 1/1 |" in render_markdown(synthetic_run(), META)
+
+
+def test_target_sampled_is_seeded_and_leaves_the_global_rng_alone(stories):
+    model, tokenizer, _ = stories
+    prompt, eos = tokenizer.encode("Once upon a time"), [tokenizer.eos_token_id]
+    hot = SamplingParams(temperature=1.5, seed=1)
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    torch.manual_seed(123)
+    a = target_sampled(model, prompt, 24, eos, hot)
+    assert torch.equal(torch.rand(1), before)  # the caller's random stream did not move
+    assert a == target_sampled(model, prompt, 24, eos, hot)
+    assert a != target_sampled(model, prompt, 24, eos, replace(hot, seed=2))
+    assert 0 < len(a) <= 24
+    with pytest.raises(ValueError, match="temperature > 0"):
+        target_sampled(model, prompt, 4, eos, SamplingParams())
+
+
 def test_bench_refuses_bad_input_with_a_clear_error(capsys):
     assert main(["bench", "--methods", "moa;colour=red"]) == 2
     assert "unknown drafter options" in capsys.readouterr().err
@@ -214,3 +253,22 @@ def test_bench_small_behind_lan_link(stories_path, tmp_path, capsys):
     assert "| none (remote AR) |" in table and "### Goals" in table
     assert sorted(p.name for p in out.glob("*.png")) == sorted(PLOTS)
     assert "bench" in capsys.readouterr().err  # the progress bar
+
+
+def test_bench_sampled_single_device(stories_path, tmp_path):
+    """A sampled run end to end: every method samples, nothing is compared per answer, and the
+    table says so; the same command gives the same answers (seeded)."""
+    runs = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        assert main(["bench", "--target", str(stories_path), "--methods", "", "--local-methods", "none,ngram",
+                     "--datasets", "humaneval", "--limit", "2", "--max-new-tokens", "12", "--threads", "1",
+                     "--temperature", "0.9", "--top-p", "0.95", "--out", str(out)]) == 0
+        runs.append([json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()])
+    rows = runs[0]
+    assert {r["method"] for r in rows} == {"generate()", "none", "ngram"}
+    assert all(r["exact"] is None for r in rows if r["method"] != "generate()")
+    assert all(0 < r["new_tokens"] <= 12 for r in rows)
+    assert [r["new_tokens"] for r in rows] == [r["new_tokens"] for r in runs[1]]
+    table = (tmp_path / "a" / "table.md").read_text()
+    assert "sampled (temperature 0.9, top-p 0.95, answer i seeded 0 + i)" in table and "| sampled |" in table
