@@ -68,7 +68,8 @@ def _add_serve_bench_parser(sub) -> None:
     p = sub.add_parser("serve-bench", help="the verify service under 1..16 concurrent clients, batching on and off")
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--clients", default="1,4,8,16", help="client counts, comma-separated")
-    p.add_argument("--max-batch", default="1,8", help="server --max-batch values compared, comma-separated (1 = off)")
+    p.add_argument("--max-batch", default="1,8", help="server --max-batch values compared, comma-separated (1 = off); N:padded runs the server with "
+                        "--batching padded (the copy-into-padded-rows way, for comparison)")
     p.add_argument("--drafter", default="ngram", help="each client's drafter (cheap ones leave the CPU to the server)")
     p.add_argument("--seconds", type=float, default=20.0, help="measured time per (max batch, clients) point")
     p.add_argument("--max-new-tokens", type=int, default=48)

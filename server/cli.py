@@ -60,6 +60,10 @@ def _add_service_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=d.max_batch,
                    help="Verify steps of different sessions scored in one forward (those queued when the model "
                         "worker gets free); 1 = one step per forward")
+    p.add_argument("--batching", choices=["ragged", "padded"], default="ragged",
+                   help="how steps share a forward: ragged (trees end to end, attention per session against its own "
+                        "cache; used where the target's attention is SDPA's, else padded) or padded (caches copied "
+                        "into rows padded to the longest; kept for comparison)")
     p.add_argument("--keepalive", type=float, default=d.keepalive_time_s, help="ping interval, s")
     p.add_argument("--keepalive-timeout", type=float, default=d.keepalive_timeout_s, help="ping ack deadline, s")
     p.add_argument("--min-ping-interval", type=float, default=d.min_ping_interval_s,
@@ -132,6 +136,8 @@ def cmd_serve(args, behind_link=None) -> None:
     lsa_modules = hosted_lsa_modules(args.lsa, args.target, model, tokenizer, model_id, args.device)
     limits = server_limits(args)
     runner = TargetRunner(model, tokenizer, model_id, lsa_modules)
+    if args.batching == "padded":
+        runner.ragged = False
     if args.link is None:
         asyncio.run(serve(runner, args.host, args.port, limits, **serve_kw))
         return

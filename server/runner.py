@@ -20,6 +20,8 @@ from splitspec.shared.sampling import (SamplingParams, Stream, apply_contextual_
                                       warp_probs)
 from splitspec.shared.tree import ROOT, DraftTree, tree_buffers
 
+from . import ragged
+
 
 @dataclass
 class TargetSession:
@@ -61,6 +63,10 @@ class TargetRunner:
         self.dtype = next(model.parameters()).dtype
         self.windows = kv.attention_windows(model.config)  # raises UnsupportedCache at load, not mid-session
         self.per_layer_type = getattr(model.config, "layer_types", None) is not None
+        self.layer_kinds = (list(model.config.layer_types) if self.per_layer_type
+                            else [next(iter(self.windows))] * self.num_layers)
+        # batches are scored raggedly (server/ragged.py) where the attention is SDPA's, else padded
+        self.ragged = ragged.enable(model)
 
     @property
     def max_positions(self) -> int:
@@ -121,16 +127,20 @@ class TargetRunner:
         forced_tokens) each, results in the same order, each equal to verifying it alone (up to
         float rounding of the larger matmuls).
 
-        The sessions' caches are copied into one cache of B rows, each prefix padded to the
-        longest (masked out); each row's tree follows at the same offset with its own tree mask and
-        position ids; query rows past a tree's size are padding that sees only itself. After the
-        forward each session takes its rows back into its own cache and commits as `verify` does.
-        A session's cache is untouched until the forward has succeeded: an error up to there is
-        raised (every session can be verified alone instead); an error in one session's commit
-        after it is returned in that session's place (its cache may be half-updated).
+        Ragged where the model allows (`_verify_ragged`): the trees laid end to end in one
+        sequence, attention per session against its own cache. Otherwise padded: the sessions'
+        caches are copied into one cache of B rows, each prefix padded to the longest (masked
+        out); each row's tree follows at the same offset with its own tree mask and position ids;
+        query rows past a tree's size are padding that sees only itself, and after the forward each
+        session takes its rows back into its own cache. Either way a session's cache is as it was
+        if the forward fails: that error is raised (every session can be verified alone instead);
+        an error in one session's commit after it is returned in that session's place (its cache
+        may be half-updated).
         """
         if len(items) == 1:
             return [self.verify(*items[0])]
+        if self.ragged:
+            return self._verify_ragged(items)
         preps = []
         for session, tree, _, forced in items:
             chain = list(forced) or [session.pending_token]
@@ -179,6 +189,51 @@ class TargetRunner:
                 hidden_states = tuple(h[b:b + 1] for h in out.hidden_states) if hidden else None
                 results.append(self._accept_and_commit(session, tree, draft_probs, chain, prefix,
                                                        out.logits[b, :rows], hidden_states, forward_ms))
+            except Exception as err:  # noqa: BLE001 - this session's own failure, reported in its place
+                results.append(err)
+        return results
+
+    def _verify_ragged(self, items) -> list[StepOutput | Exception]:
+        """`verify_batch` as one ragged forward (server/ragged.py): input [1, N1 + N2 + ...], each
+        session's rows appended to its own cache during the forward and cropped back if it fails."""
+        preps, ids, positions = [], [], []
+        masks: dict[str, list[torch.Tensor]] = {kind: [] for kind in self.windows}
+        for session, tree, _, forced in items:
+            chain = list(forced) or [session.pending_token]
+            full = _hang_tree(chain, tree)
+            buffers = tree_buffers(full.parents)
+            prefix = kv.cache_length(session.cache)
+            row_ids = [chain[0], *full.tokens]
+            preps.append((prefix, chain, len(row_ids)))
+            ids += row_ids
+            positions.append(buffers.position_ids(prefix)[0])
+            for kind, window in self.windows.items():
+                masks[kind].append(buffers.attention_mask(prefix, self.dtype, self.device, window))
+        rows = [p[2] for p in preps]
+        cache = ragged.RaggedCache([session.cache for session, *_ in items], rows, masks, self.layer_kinds)
+        # a 4-D mask makes transformers build none; ragged attention reads each session's own instead
+        unused = torch.zeros(1, 1, len(ids), 1, dtype=self.dtype, device=self.device)
+        mask = {kind: unused for kind in self.windows} if self.per_layer_type else unused
+        hidden = any(session.features.hidden_layers for session, *_ in items)
+        start = time.perf_counter()
+        try:
+            out = self.model(input_ids=torch.tensor([ids], device=self.device), cache=cache, use_cache=True,
+                             attention_mask=mask, position_ids=torch.cat(positions)[None].to(self.device),
+                             output_hidden_states=hidden)
+        except Exception:
+            for (session, *_), (prefix, *_rest) in zip(items, preps):
+                kv.truncate(session.cache, prefix)
+            raise
+        forward_ms = (time.perf_counter() - start) * 1e3
+        results: list[StepOutput | Exception] = []
+        offset = 0
+        for (session, tree, draft_probs, _), (prefix, chain, n) in zip(items, preps):
+            part = slice(offset, offset + n)
+            offset += n
+            try:
+                hidden_states = tuple(h[:, part] for h in out.hidden_states) if hidden else None
+                results.append(self._accept_and_commit(session, tree, draft_probs, chain, prefix, out.logits[0, part],
+                                                       hidden_states, forward_ms))
             except Exception as err:  # noqa: BLE001 - this session's own failure, reported in its place
                 results.append(err)
         return results

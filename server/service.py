@@ -52,9 +52,10 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "splitspec.v1.VerifyService"
 PARSE_THREADS = 2  # threads that decode and check draft probabilities beside the model worker
-# a batched forward copies every session's KV prefix into rows padded to the longest one; beyond
-# this many padded positions the steps are split over several forwards (SmolLM2-135M: 46 KB of
-# fp32 KV per position, so ~0.75 GB transient at the limit)
+# a padded batched forward (a target the ragged path cannot serve, server/ragged.py) copies every
+# session's KV prefix into rows padded to the longest one; beyond this many padded positions the
+# steps are split over several forwards (SmolLM2-135M: 46 KB of fp32 KV per position, so ~0.75 GB
+# transient at the limit). A ragged forward copies no prefix and is bounded by max_batch alone.
 MAX_BATCH_PADDED_TOKENS = 16384
 _DROP_NOTICE_S = 0.2  # shutdown: the longest wait, after the grace period, for dropped calls to be told
 
@@ -359,7 +360,8 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                 for other in self._waiting:
                     if len(batch) >= self.limits.max_batch:
                         break
-                    if other is not item and self._padded_tokens([*batch, other]) <= MAX_BATCH_PADDED_TOKENS:
+                    if other is not item and (self.runner.ragged or
+                                              self._padded_tokens([*batch, other]) <= MAX_BATCH_PADDED_TOKENS):
                         batch.append(other)
                 for s in batch:
                     if s in self._waiting:
@@ -371,7 +373,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
 
     @staticmethod
     def _padded_tokens(batch: list[_Step]) -> int:
-        """Cache positions a batched forward of `batch` copies: rows x the longest prefix."""
+        """Cache positions a padded batched forward of `batch` copies: rows x the longest prefix."""
         return len(batch) * max(cache_length(s.entry.session.cache) if s.entry.session else 0 for s in batch)
 
     def _verify_steps(self, batch: list[_Step]) -> None:

@@ -60,12 +60,17 @@ def _run(runner: TargetRunner, batched: bool, refs, steps: int = 6, seed: int = 
     return outputs, sessions
 
 
+@pytest.mark.parametrize("ragged", [True, False], ids=["ragged", "padded"])
 @pytest.mark.parametrize("family", ["llama-mqa-tied", "qwen2-sliding-mixed", "gemma3", "mistral-sliding"])
-def test_batched_steps_equal_steps_alone(family, stories):
+def test_batched_steps_equal_steps_alone(family, ragged, stories):
+    """Both ways of batching (server/ragged.py, and the padded copy for models it cannot serve)."""
     model = _model(family)
-    refs = [reference_greedy(model, p, 40) for p in PROMPTS]
+    refs = [reference_greedy(model, p, 40) for p in PROMPTS]  # before any runner switched the attention
     alone, alone_sessions = _run(TargetRunner(model, stories[1], family), False, refs)
-    batched, batched_sessions = _run(TargetRunner(model, stories[1], family), True, refs)
+    runner = TargetRunner(model, stories[1], family)
+    assert runner.ragged  # every family here runs SDPA attention
+    runner.ragged = ragged
+    batched, batched_sessions = _run(runner, True, refs)
     for step, (a_outs, b_outs) in enumerate(zip(alone, batched)):
         for i, (a, b) in enumerate(zip(a_outs, b_outs)):
             where = f"{family} step {step} session {i}"
@@ -86,6 +91,42 @@ def test_batched_steps_equal_steps_alone(family, stories):
         assert tokens == refs[i][1: 1 + len(tokens)], f"{family} session {i}"
 
 
+def test_a_failed_ragged_forward_leaves_every_cache_as_it_was(stories, monkeypatch):
+    """A forward that dies in a middle layer (after earlier layers appended each session's rows)
+    raises and crops every cache back; the same sessions then verify as if nothing had happened."""
+    model = _model("llama-mqa-tied")
+    runner = TargetRunner(model, stories[1], "llama-mqa-tied")
+    ref = [reference_greedy(model, p, 8) for p in PROMPTS]
+    sessions = [runner.open(p, SamplingParams(), FEATURES)[0] for p in PROMPTS]
+    before = [[(layer.keys.clone(), layer.values.clone()) for layer in s.cache.layers] for s in sessions]
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(model.model.layers[1].mlp, "forward", boom)
+    items = [(s, DraftTree.chain(r[1:4]), None, ()) for s, r in zip(sessions, ref)]
+    with pytest.raises(RuntimeError, match="boom"):
+        runner.verify_batch(items)
+    for session, layers in zip(sessions, before):
+        for layer, (keys, values) in zip(session.cache.layers, layers):
+            assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+    monkeypatch.undo()
+    outs = runner.verify_batch(items)
+    assert [out.accepted_tokens for out in outs] == [tuple(r[1:4]) for r in ref]
+
+
+def test_models_without_sdpa_attention_are_batched_padded(stories):
+    """ragged.enable leaves a model on another attention (here eager) as it is; it still batches."""
+    model = _model("qwen2")
+    model.set_attn_implementation("eager")
+    runner = TargetRunner(model, stories[1], "qwen2")
+    assert not runner.ragged and model.config._attn_implementation == "eager"
+    ref = reference_greedy(model, PROMPTS[0], 6)
+    a, b = (runner.open(p, SamplingParams(), FEATURES)[0] for p in PROMPTS[:2])
+    outs = runner.verify_batch([(a, DraftTree.chain(ref[1:4]), None, ()), (b, DraftTree.empty(), None, ())])
+    assert outs[0].accepted_tokens == tuple(ref[1:4])
+
+
 def test_forced_tokens_and_a_single_item(stories):
     model = _model("qwen2")
     runner = TargetRunner(model, stories[1], "qwen2")
@@ -101,11 +142,12 @@ def test_forced_tokens_and_a_single_item(stories):
     assert len(runner.verify_batch([(b, DraftTree.empty(), None, ())])) == 1
 
 
-@pytest.mark.parametrize("copy_bound", [None, 1])
-def test_the_service_batches_concurrent_sessions_and_stays_exact(stories, serve, monkeypatch, copy_bound):
+@pytest.mark.parametrize("ragged,copy_bound", [(True, None), (True, 1), (False, None), (False, 1)])
+def test_the_service_batches_concurrent_sessions_and_stays_exact(stories, serve, monkeypatch, ragged, copy_bound):
     """Five clients decode at once through the gRPC service while the first step is held: the
     steps queued meanwhile are scored in one forward, and every client's output is the target's.
-    With the bound on a batch's padded KV copy below any two sessions, every forward scores one."""
+    With the bound on a padded batch's KV copy below any two sessions, every padded forward scores
+    one; a ragged forward copies no prefix and is not bounded by it."""
     from splitspec.client.loop import SpeculativeDecoder
     from splitspec.client.transport import RemoteVerifier
     from splitspec.shared.config import ServerLimits
@@ -119,6 +161,7 @@ def test_the_service_batches_concurrent_sessions_and_stays_exact(stories, serve,
         monkeypatch.setattr(service, "MAX_BATCH_PADDED_TOKENS", copy_bound)
     model, tokenizer, model_id = stories
     runner = TargetRunner(model, tokenizer, model_id)
+    runner.ragged = ragged
     spy = RunnerSpy(runner)
     spy.gate = threading.Event()
     server = serve(runner, ServerLimits(max_batch=8))
@@ -146,7 +189,7 @@ def test_the_service_batches_concurrent_sessions_and_stays_exact(stories, serve,
     for t in threads:
         t.join(120)
     assert outputs == {i: refs[i] for i in range(len(prompts))}
-    if copy_bound is None:
+    if ragged or copy_bound is None:
         assert max(server.servicer.batch_sizes) >= len(prompts) - 1, server.servicer.batch_sizes
     else:
         assert set(server.servicer.batch_sizes) == {1}, server.servicer.batch_sizes
@@ -157,7 +200,7 @@ def test_serve_bench_drives_concurrent_clients(stories, serve, stories_path):
     fixed time; the table reports each point against one client and against unbatched serving."""
     from types import SimpleNamespace
 
-    from splitspec.bench.serve_bench import ServeResult, render, run_clients
+    from splitspec.bench.serve_bench import ServeResult, parse_batch, render, run_clients
     from splitspec.shared.config import ServerLimits
     from splitspec.shared.drafters.spec import DrafterSpec
     from splitspec.shared.models import tokenizer_fingerprint
@@ -168,9 +211,20 @@ def test_serve_bench_drives_concurrent_clients(stories, serve, stories_path):
     tokens, elapsed, rates, steps = run_clients(server.address, 3, prompts, DrafterSpec.parse("ngram"),
                                                 tokenizer_fingerprint(tokenizer), str(stories_path), 1.0, 12)
     assert tokens > 0 and elapsed >= 1.0 and len(rates) == 3 and all(r > 0 for r in rates) and steps
-    table = render([ServeResult(1, 1, 100, 1.0, 100.0, 5.0, 9.0), ServeResult(8, 1, 110, 1.0, 110.0, 5.0, 9.0),
-                    ServeResult(1, 8, 200, 1.0, 25.0, 20.0, 40.0), ServeResult(8, 8, 480, 1.0, 60.0, 9.0, 20.0)],
+    table = render([ServeResult(1, "ragged", 1, 100, 1.0, 100.0, 5.0, 9.0),
+                    ServeResult(8, "ragged", 1, 110, 1.0, 110.0, 5.0, 9.0),
+                    ServeResult(8, "padded", 1, 105, 1.0, 105.0, 5.0, 9.0),
+                    ServeResult(1, "ragged", 8, 200, 1.0, 25.0, 20.0, 40.0),
+                    ServeResult(8, "ragged", 8, 480, 1.0, 60.0, 9.0, 20.0),
+                    ServeResult(8, "padded", 8, 210, 1.0, 26.0, 30.0, 60.0)],
                    SimpleNamespace(target="t", drafter="ngram", seconds=1.0, max_new_tokens=12, threads=1,
                                    device="cpu"))
     assert "| 8 | 8 | 480.0 | 4.36x | 2.40x |" in table and "measured 4.36x (max batch 8) -> met" in table
+    assert "| 8 (padded) | 8 | 210.0 | 2.00x | 1.05x |" in table
+    assert "measured 2.00x (max batch 8 (padded)) -> missed" in table
     assert "server on cpu" in table
+    assert [parse_batch(t) for t in ("1", "8", "8:padded", " 4:ragged")] == [
+        (1, "ragged"), (8, "ragged"), (8, "padded"), (4, "ragged")]
+    for bad in ("0", "x", "8:wide", "-1"):
+        with pytest.raises(ValueError, match="--max-batch"):
+            parse_batch(bad)
