@@ -32,6 +32,7 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import sdpa_mask
 
 RAGGED = "splitspec_ragged"
+CPU_MASKED_GQA = True  # masked multi-row attention on a CPU with grouped keys: SDPA's enable_gqa, not repeat_kv
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,12 @@ def ragged_attention(module, query, key, value, attention_mask, dropout: float =
     forward: query [1, H, N, D] is split by session and each part attends to its own cache under
     its own mask; returns ([1, N, H, D], None). Anything else goes to SDPA attention unchanged."""
     if not isinstance(key, RaggedKV):
+        groups = query.shape[1] // key.shape[1]
+        if CPU_MASKED_GQA and groups > 1 and attention_mask is not None and query.device.type == "cpu" \
+                and query.shape[2] > 1:  # a tree (masked, several rows): no repeated keys, as below
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                                 scale=scaling, enable_gqa=True)
+            return out.transpose(1, 2).contiguous(), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     groups = query.shape[1] // key.tensors[0].shape[1]

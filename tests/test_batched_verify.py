@@ -228,3 +228,34 @@ def test_serve_bench_drives_concurrent_clients(stories, serve, stories_path):
     for bad in ("0", "x", "8:wide", "-1"):
         with pytest.raises(ValueError, match="--max-batch"):
             parse_batch(bad)
+
+
+def test_tree_attention_on_a_cpu_skips_repeating_grouped_keys(monkeypatch):
+    """With grouped keys (GQA) a masked multi-row forward on a CPU runs SDPA with enable_gqa
+    instead of transformers' repeat_kv: the same logits (to float rounding), and it is the path
+    taken."""
+    from splitspec.server import ragged
+
+    model = _model("qwen2")
+    assert model.config.num_attention_heads > model.config.num_key_value_heads
+    assert ragged.enable(model)
+    ids = torch.tensor([[1, 45, 100, 17, 99, 4]])
+    lowest = torch.finfo(torch.float32).min
+    mask = torch.full((6, 6), lowest).triu(1)
+    mask[4, 3] = lowest  # a tree: row 4 branches off row 2, beside row 3
+    mask = mask[None, None]
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("enable_gqa", False))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    logits = {}
+    for flag in (True, False):
+        monkeypatch.setattr(ragged, "CPU_MASKED_GQA", flag)
+        calls.clear()
+        logits[flag] = model(input_ids=ids, attention_mask=mask).logits
+        assert set(calls) == {flag}, calls
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=1e-5)
