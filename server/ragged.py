@@ -16,9 +16,13 @@ with SDPA (grouped-query heads without repeating the keys on a CPU). Everything 
 (projections, norms, MLPs, rotary at explicit positions, the LM head) is transformers' own.
 
 `ragged_attention` is registered with transformers as the attention implementation `RAGGED`; for
-ordinary tensors it is transformers' SDPA attention unchanged, so a model switched to it computes
-exactly what it did before, everywhere but in a ragged forward. Only models whose attention is
-SDPA's semantics (no logit soft-capping, no attention sinks) are switched (`enable`).
+ordinary tensors it is transformers' SDPA attention, except that a masked multi-row forward (a
+tree) on a CPU with grouped keys passes SDPA `enable_gqa` instead of repeating the keys per query
+head (`CPU_MASKED_GQA`: the same function, rounding differences of ~1e-7, one verify step 6-11%
+cheaper here). A model switched to it (`enable`, which `TargetRunner` calls on the model it is
+given, so other users of that model object go through it too) computes what it did before.
+Only models whose attention is SDPA's semantics (no logit soft-capping, no attention sinks) are
+switched.
 """
 from __future__ import annotations
 
