@@ -347,6 +347,7 @@ def run_baseline(model, ids: list[int], max_new_tokens: int, eos: list[int],
     latencies = clock.latencies()
     answer = AnswerRecord(len(out), len(out), round(elapsed, 4))
     return out, BenchRecord("local", BASELINE, None, "", "", answer, tuple(latencies["itl_ms"]), latencies["ttft_ms"],
+                            True if sampling.greedy else None,  # a sample is nobody's reference
                             details={"tokens_per_s": round(len(out) / elapsed, 3), "tau": 1.0})
 
 

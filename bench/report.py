@@ -43,7 +43,8 @@ def render_markdown(records: list[BenchRecord], meta: dict, cfg=None) -> str:
     sections = [_header(records, meta, cfg), client_server_table(groups, profiles),
                 *[detail_table(groups, p) for p in profiles], detail_table(groups, None),
                 category_tables(groups, profiles), goal_section(groups, records, cfg.goal_profile if cfg else "4g",
-                                                                meta.get("target", ""))]
+                                                                meta.get("target", ""),
+                                                                meta.get("decoding", "greedy"))]
     return "\n\n".join(s for s in sections if s)
 
 
@@ -153,10 +154,11 @@ def category_tables(groups: dict[GroupKey, GroupStats], profiles: Sequence[str])
     return "\n\n".join(["### By category", *out]) if out else ""
 
 
-def goal_section(groups: dict[GroupKey, GroupStats], records: list[BenchRecord], profile: str, target: str) -> str:
+def goal_section(groups: dict[GroupKey, GroupStats], records: list[BenchRecord], profile: str, target: str,
+                 decoding: str = "greedy") -> str:
     """The issue's goals under `profile`, each with the measured value and met / missed by how much,
     then the bytes per generated token of each feature quantization."""
-    lines = [f"### Goals (greedy, {target or 'target'}, profile {profile})", ""]
+    lines = [f"### Goals ({decoding.split(' (')[0]}, {target or 'target'}, profile {profile})", ""]
     lines += [f"- {g.line()}" for g in goals(groups, profile)]
     rows = feature_bytes(records, profile)
     if rows:
