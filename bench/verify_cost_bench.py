@@ -5,7 +5,8 @@ Measured here, in one process:
 - memory bandwidth: a large tensor copy (read + write), best of several;
 - the floor of one step: the weights' bytes read once at that bandwidth;
 - a verify forward after a `--context`-token prefix with 1, 2, 5, 9, 25 positions (tree mask and
-  position ids as the runner builds them; the prefix cache copied outside the timed region), per
+  position ids as the runner builds them, the runner's attention (server/ragged.py); the prefix
+  cache copied outside the timed region), per
   dtype and per linear-layer backend (`--linear`: transformers' nn.Linear, which runs MKL's sgemm,
   and oneDNN with prepacked weights), median of `--repeats`;
 - how often greedy decoding through the verifier differs from the same dtype's plain
@@ -28,6 +29,7 @@ import time
 import torch
 from transformers import DynamicCache
 
+from splitspec.server import ragged
 from splitspec.shared.models import encode_chat, load_model
 from splitspec.shared.packed_linear import onednn_available
 from splitspec.shared.reference import target_greedy
@@ -181,6 +183,8 @@ def cmd_verify_cost(args) -> None:
                 continue
             model, tokenizer, model_id = load_model(args.target, device=device, dtype=dtype, linear=linear)
             variants[(dtype, linear)] = model
+    for model in variants.values():
+        ragged.enable(model)  # the attention the verify service runs (TargetRunner switches its model too)
     bandwidth = copy_bandwidth_gbs(device=device)
     texts = load_prompts(["spec_bench"], 1, args.spec_bench)[: args.prompts] if args.prompts else []
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": p["text"]}]) for p in texts]
