@@ -78,25 +78,29 @@ class RaggedCache(DynamicCache):
 def ragged_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """transformers' attention-function signature. `key` / `value` are `RaggedKV` in a ragged
     forward: query [1, H, N, D] is split by session and each part attends to its own cache under
-    its own mask; returns ([1, N, H, D], None). Anything else goes to SDPA attention unchanged."""
+    its own mask; returns ([1, N, H, D], None). Anything else goes to transformers' SDPA attention,
+    but for a masked multi-row forward (a tree) on a CPU with grouped keys (`CPU_MASKED_GQA`)."""
     if not isinstance(key, RaggedKV):
-        groups = query.shape[1] // key.shape[1]
-        if CPU_MASKED_GQA and groups > 1 and attention_mask is not None and query.device.type == "cpu" \
-                and query.shape[2] > 1:  # a tree (masked, several rows): no repeated keys, as below
-            out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                                 scale=scaling, enable_gqa=True)
-            return out.transpose(1, 2).contiguous(), None
+        if CPU_MASKED_GQA and query.shape[1] > key.shape[1] and attention_mask is not None \
+                and query.device.type == "cpu" and query.shape[2] > 1:
+            return _masked_sdpa(query, key, value, attention_mask, dropout, scaling).transpose(1, 2).contiguous(), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    groups = query.shape[1] // key.tensors[0].shape[1]
-    gqa = groups > 1 and query.device.type == "cpu"  # elsewhere GQA with a mask falls back to the math kernel
-    outputs = []
-    for q, k, v, mask in zip(query.split(key.rows, dim=2), key.tensors, value.tensors, key.masks):
-        if groups > 1 and not gqa:
-            k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-        outputs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling,
-                                                      enable_gqa=gqa))
+    outputs = [_masked_sdpa(q, k, v, mask, dropout, scaling)
+               for q, k, v, mask in zip(query.split(key.rows, dim=2), key.tensors, value.tensors, key.masks)]
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _masked_sdpa(query, key, value, mask, dropout: float, scaling) -> torch.Tensor:
+    """SDPA of query [B, H, n, D] over keys/values [B, Hkv, T, D] under an additive mask: grouped
+    keys go to SDPA as they are on a CPU (`enable_gqa`), and are repeated per query head elsewhere,
+    where GQA with a mask falls back to the math kernel. Returns [B, H, n, D]."""
+    groups = query.shape[1] // key.shape[1]
+    gqa = groups > 1 and query.device.type == "cpu"
+    if groups > 1 and not gqa:
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                                          enable_gqa=gqa)
 
 
 AttentionInterface.register(RAGGED, ragged_attention)

@@ -106,11 +106,8 @@ class TargetRunner:
         pending token: they are committed as they are, and the tree hangs off the last of them. Their
         features come back first (`accepted_tokens` holds only accepted draft tokens).
         """
-        prefix_len = kv.cache_length(session.cache)
-        chain = list(forced_tokens) or [session.pending_token]
-        full = _hang_tree(chain, tree)  # the forced chain, then the tree below its last token
-        buffers = tree_buffers(full.parents)
-        ids = torch.tensor([[chain[0], *full.tokens]], device=self.device)  # [1, F + N]
+        prefix_len, chain, buffers, row_ids = _step_inputs(session, tree, forced_tokens)
+        ids = torch.tensor([row_ids], device=self.device)  # [1, F + N]
         start = time.perf_counter()
         out = self.model(input_ids=ids, cache=session.cache, use_cache=True,
                          attention_mask=self._tree_mask(buffers, prefix_len),
@@ -141,11 +138,7 @@ class TargetRunner:
             return [self.verify(*items[0])]
         if self.ragged:
             return self._verify_ragged(items)
-        preps = []
-        for session, tree, _, forced in items:
-            chain = list(forced) or [session.pending_token]
-            full = _hang_tree(chain, tree)
-            preps.append((kv.cache_length(session.cache), chain, tree_buffers(full.parents), [chain[0], *full.tokens]))
+        preps = [_step_inputs(session, tree, forced) for session, tree, _, forced in items]
         batch, longest, width = len(items), max(p[0] for p in preps), max(len(p[3]) for p in preps)
         cache = DynamicCache()
         for layer in range(self.num_layers):
@@ -196,20 +189,12 @@ class TargetRunner:
     def _verify_ragged(self, items) -> list[StepOutput | Exception]:
         """`verify_batch` as one ragged forward (server/ragged.py): input [1, N1 + N2 + ...], each
         session's rows appended to its own cache during the forward and cropped back if it fails."""
-        preps, ids, positions = [], [], []
-        masks: dict[str, list[torch.Tensor]] = {kind: [] for kind in self.windows}
-        for session, tree, _, forced in items:
-            chain = list(forced) or [session.pending_token]
-            full = _hang_tree(chain, tree)
-            buffers = tree_buffers(full.parents)
-            prefix = kv.cache_length(session.cache)
-            row_ids = [chain[0], *full.tokens]
-            preps.append((prefix, chain, len(row_ids)))
-            ids += row_ids
-            positions.append(buffers.position_ids(prefix)[0])
-            for kind, window in self.windows.items():
-                masks[kind].append(buffers.attention_mask(prefix, self.dtype, self.device, window))
-        rows = [p[2] for p in preps]
+        preps = [_step_inputs(session, tree, forced) for session, tree, _, forced in items]
+        ids = [token for *_, row_ids in preps for token in row_ids]
+        positions = [buffers.position_ids(prefix)[0] for prefix, _, buffers, _ in preps]
+        masks = {kind: [buffers.attention_mask(prefix, self.dtype, self.device, window)
+                        for prefix, _, buffers, _ in preps] for kind, window in self.windows.items()}
+        rows = [len(row_ids) for *_, row_ids in preps]
         cache = ragged.RaggedCache([session.cache for session, *_ in items], rows, masks, self.layer_kinds)
         # a 4-D mask makes transformers build none; ragged attention reads each session's own instead
         unused = torch.zeros(1, 1, len(ids), 1, dtype=self.dtype, device=self.device)
@@ -227,9 +212,9 @@ class TargetRunner:
         forward_ms = (time.perf_counter() - start) * 1e3
         results: list[StepOutput | Exception] = []
         offset = 0
-        for (session, tree, draft_probs, _), (prefix, chain, n) in zip(items, preps):
-            part = slice(offset, offset + n)
-            offset += n
+        for (session, tree, draft_probs, _), (prefix, chain, _, row_ids) in zip(items, preps):
+            part = slice(offset, offset + len(row_ids))
+            offset += len(row_ids)
             try:
                 hidden_states = tuple(h[:, part] for h in out.hidden_states) if hidden else None
                 results.append(self._accept_and_commit(session, tree, draft_probs, chain, prefix, out.logits[0, part],
@@ -298,6 +283,15 @@ def tree_paths(tree: DraftTree) -> list[list[int]]:
     for token, parent in zip(tree.tokens, tree.parents):
         paths.append((paths[parent] if parent != ROOT else []) + [token])
     return paths
+
+
+def _step_inputs(session: TargetSession, tree: DraftTree, forced_tokens: tuple[int, ...]):
+    """What one verify step feeds the forward: (the session's cached length, the chain [F] (forced
+    tokens, else the pending token), the tree buffers of the chain with the tree below its last
+    token, and the row ids [F + N]: the chain's first token, then every node's)."""
+    chain = list(forced_tokens) or [session.pending_token]
+    full = _hang_tree(chain, tree)
+    return kv.cache_length(session.cache), chain, tree_buffers(full.parents), [chain[0], *full.tokens]
 
 
 def _hang_tree(chain: list[int], tree: DraftTree) -> DraftTree:
