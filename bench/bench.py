@@ -374,8 +374,7 @@ def decoding_text(sampling: SamplingParams) -> str:
     """'greedy', or the sampling settings in words (the report's header)."""
     if sampling.greedy:
         return "greedy"
-    return (f"sampled (temperature {sampling.temperature:g}, top-p {sampling.top_p:g}"
-            + (f", top-k {sampling.top_k}" if sampling.top_k else "") + f", answer i seeded {sampling.seed} + i)")
+    return f"sampled ({sampling.describe()}, answer i seeded {sampling.seed} + i)"
 
 
 def _profile_names(records: list[BenchRecord]) -> Iterator[str]:

@@ -195,8 +195,7 @@ def cmd_chat(args, local_verifier=None) -> None:
     else:
         conversation = history_db.new_conversation(setup.target, setup.decoder.drafter.name)
     sampling = setup.sampling
-    decoding = "greedy" if sampling.greedy else f"temperature {sampling.temperature:g}, top-p {sampling.top_p:g}"
-    print(f"splitspec chat ({setup.mode}, drafter {setup.decoder.drafter.name}, {decoding}, history {history_db.path}, "
+    print(f"splitspec chat ({setup.mode}, drafter {setup.decoder.drafter.name}, {sampling.describe()}, history {history_db.path}, "
           f"{len(history)} earlier messages). Mark private text <private>like this</private>. /reset /stats /quit")
     last_stats = None
     while True:

@@ -69,6 +69,13 @@ class SamplingParams:
         if self.penalty_window < 1:
             raise ValueError(f"the penalty window must be >= 1 token, got {self.penalty_window}")
 
+    def describe(self) -> str:
+        """'greedy', or the warping settings in words ('temperature 0.7, top-p 0.9[, top-k K]')."""
+        if self.greedy:
+            return "greedy"
+        return (f"temperature {self.temperature:g}, top-p {self.top_p:g}"
+                + (f", top-k {self.top_k}" if self.top_k else ""))
+
     @property
     def penalized(self) -> bool:
         """True when the contextual penalty is on (compared as the float32 the wire carries)."""
