@@ -16,8 +16,8 @@ from splitspec.train.batched import (LossOptions, batch_chunk_starts, eagle_loss
                                      moa_loss_batch, run_target_batch)
 from splitspec.train.data import tokenize_conversation
 from splitspec.train.objectives import eagle_loss, moa_loss, run_target
-from splitspec.train.trainer import (CheckpointTooLarge, DrafterJob, TrainConfig, build_drafter, check_size,
-                                     sa_window, train)
+from splitspec.train.trainer import (CheckpointTooLarge, DrafterJob, TrainConfig, attention_backends, build_drafter,
+                                     check_size, sa_window, train)
 
 
 def _conversations(n: int, seed: int) -> list[list[dict]]:
@@ -220,6 +220,23 @@ def test_profile_steps_write_where_the_time_went_and_change_nothing(stories_path
     assert f"profiled steps: {steps - 1};" in (tmp_path / "c" / "profile.txt").read_text()
     with pytest.raises(ValueError, match="profile_steps"):
         _small(stories_path, tmp_path / "d", profile_steps=-1)
+
+
+def test_cuda_training_leaves_cudnn_attention_out_unless_asked(tmp_path):
+    """On CUDA a training step's SDPA may not pick cuDNN (a graph build per batch shape: host time
+    that dominated an H100 step), and the global setting is restored afterwards; --cudnn-attention
+    keeps it, and on a CPU nothing changes. The flags are global, so this runs on a CPU build."""
+    def cfg(**kw):
+        return TrainConfig(drafter="moa", target="x", out=tmp_path, dtype="float32", **kw)
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with attention_backends(cfg(device="cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    for kept in (cfg(device="cuda", cudnn_attention=True), cfg(device="cpu")):
+        with attention_backends(kept):
+            assert torch.backends.cuda.cudnn_sdp_enabled() == before
 
 
 def test_checkpoint_over_the_size_limit_is_refused(stories):

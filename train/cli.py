@@ -90,6 +90,9 @@ def _add_train_parser(sub) -> None:
     p.add_argument("--profile-steps", type=int, default=0,
                    help="run torch.profiler over this many steps after the first and write OUT/profile.txt (time "
                         "per step, operators per step, operators by self time; CUDA time on a GPU)")
+    p.add_argument("--cudnn-attention", action="store_true",
+                   help="CUDA: let SDPA use cuDNN's attention (left out by default: it builds a graph for every "
+                        "new batch shape, host time that dominated an H100's step; trainer.attention_backends)")
     p.add_argument("--heldout", type=int, default=16, help="held-out conversations (loss, top-1, memory gain)")
     p.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts of the tau measurement")
     p.add_argument("--eval-new-tokens", type=int, default=48, help="tokens generated per tau prompt")
@@ -108,6 +111,7 @@ def train_config(args):
     return _config(args, Path(args.out or "."), max_tokens=args.max_tokens, epochs=args.epochs,
                    eval_every=args.eval_every, max_minutes=args.max_minutes, resume=args.resume,
                    time_schedule=args.time_schedule, profile_steps=args.profile_steps, heldout=args.heldout,
+                   cudnn_attention=args.cudnn_attention,
                    eval_prompts=args.eval_prompts, eval_new_tokens=args.eval_new_tokens, eval_only=args.eval_only)
 
 

@@ -17,6 +17,7 @@ another machine.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -118,6 +119,7 @@ class TrainConfig:
     max_minutes: float = 0.0  # stop cleanly after this long (0 = no limit)
     time_schedule: bool = False  # lr decay and staircase follow max_minutes too (whichever is further along)
     profile_steps: int = 0  # profile this many steps (after the first) into <out>/profile.txt (train/step_profile.py)
+    cudnn_attention: bool = False  # CUDA: let SDPA pick cuDNN's attention (host-bound here: `attention_backends`)
     seed: int = 0
     device: str = "cpu"
     resume: bool = False
@@ -310,6 +312,23 @@ class Trainee:
         self.history, self.best_tau, self.scale = saved["history"], saved["best_tau"], saved["scale"]
 
 
+def attention_backends(cfg: TrainConfig):
+    """The SDPA backends a training step may use: a context manager.
+
+    On CUDA, cuDNN's attention is left out unless `cfg.cudnn_attention`: PyTorch builds a cuDNN graph
+    for every new shape, and a training batch's padded length changes from step to step. Profiled on
+    an H100 (session 26, `--profile-steps 3`, moa + eagle2, batch 32 x 1,024, bf16): 0.57-0.77 s a
+    step of which the GPU was busy ~95 ms, and `_cudnn_attention_forward/backward` took ~380 ms of
+    host time a step (5.5 ms a forward call, 35 ms a backward). Flash and memory-efficient attention
+    have no per-shape build. On a CPU the choice is PyTorch's (cuDNN does not apply).
+    """
+    if torch.device(cfg.device).type != "cuda" or cfg.cudnn_attention:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def _autocast(cfg: TrainConfig):
     return torch.autocast(torch.device(cfg.device).type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
 
@@ -430,42 +449,43 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
     if cfg.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     stopping = False
-    try:
-        while state["step"] < total_steps and not stopping:
-            step = state["step"]
-            order = bucketed_order(lengths, cfg.batch, cfg.seed + step // steps_per_epoch)
-            batch = make_batch([examples[i] for i in order[step % steps_per_epoch]], cfg.device)
-            with _autocast(cfg):
-                target = run_target_batch(train_model, batch, layer_inputs, vocab)
-            at = schedule_step(cfg, step, total_steps, start_s + clock.elapsed())
-            metrics = {t.job.name: _train_step(cfg, t, target, vocab, at, total_steps) for t in trainees}
-            state["step"] += 1
-            state["tokens"] += batch.tokens
+    with attention_backends(cfg):  # no cuDNN attention on CUDA: see its docstring
+        try:
+            while state["step"] < total_steps and not stopping:
+                step = state["step"]
+                order = bucketed_order(lengths, cfg.batch, cfg.seed + step // steps_per_epoch)
+                batch = make_batch([examples[i] for i in order[step % steps_per_epoch]], cfg.device)
+                with _autocast(cfg):
+                    target = run_target_batch(train_model, batch, layer_inputs, vocab)
+                at = schedule_step(cfg, step, total_steps, start_s + clock.elapsed())
+                metrics = {t.job.name: _train_step(cfg, t, target, vocab, at, total_steps) for t in trainees}
+                state["step"] += 1
+                state["tokens"] += batch.tokens
+                if profiler is not None:
+                    profiler.step()
+                bar.update(1)
+                bar.set_postfix({name: f"{m['loss']:.2f}/{m['top1']:.2f}" for name, m in metrics.items()})
+                elapsed = start_s + clock.elapsed()
+                stopping = bool(cfg.max_minutes) and elapsed >= 60 * cfg.max_minutes
+                if state["step"] % cfg.eval_every == 0 or state["step"] == total_steps or stopping:
+                    state["elapsed_s"] = elapsed
+                    for t in trainees:
+                        record = {"step": state["step"], "tokens": state["tokens"],
+                                  "tokens_total": t.init_tokens + state["tokens"], "elapsed_s": round(elapsed, 1),
+                                  **_device_memory(cfg),
+                                  "train": metrics[t.job.name],
+                                  **evaluate(cfg, _on_cpu(t.drafter, cfg), t.eval_parts, eval_model, tokenizer, held,
+                                             held_examples, t.job)}
+                        t.history.append(record)
+                        _save_checkpoint(cfg, t, identity, state, record)
+                        bar.write(json.dumps({"drafter": t.job.name, **{k: round(v, 4) if isinstance(v, float) else v
+                                                                         for k, v in record.items() if k != "train"}}))
+                    state["elapsed_s"] = start_s + clock.elapsed()  # evaluation time counts against the budget
+                    _save_state(cfg, state, trainees)
+        finally:
+            clock.uninstall()
             if profiler is not None:
-                profiler.step()
-            bar.update(1)
-            bar.set_postfix({name: f"{m['loss']:.2f}/{m['top1']:.2f}" for name, m in metrics.items()})
-            elapsed = start_s + clock.elapsed()
-            stopping = bool(cfg.max_minutes) and elapsed >= 60 * cfg.max_minutes
-            if state["step"] % cfg.eval_every == 0 or state["step"] == total_steps or stopping:
-                state["elapsed_s"] = elapsed
-                for t in trainees:
-                    record = {"step": state["step"], "tokens": state["tokens"],
-                              "tokens_total": t.init_tokens + state["tokens"], "elapsed_s": round(elapsed, 1),
-                              **_device_memory(cfg),
-                              "train": metrics[t.job.name],
-                              **evaluate(cfg, _on_cpu(t.drafter, cfg), t.eval_parts, eval_model, tokenizer, held,
-                                         held_examples, t.job)}
-                    t.history.append(record)
-                    _save_checkpoint(cfg, t, identity, state, record)
-                    bar.write(json.dumps({"drafter": t.job.name, **{k: round(v, 4) if isinstance(v, float) else v
-                                                                     for k, v in record.items() if k != "train"}}))
-                state["elapsed_s"] = start_s + clock.elapsed()  # evaluation time counts against the budget
-                _save_state(cfg, state, trainees)
-    finally:
-        clock.uninstall()
-        if profiler is not None:
-            profiler.close()
+                profiler.close()
     bar.close()
     return {t.job.name: (t.history[-1] if t.history else {}) for t in trainees}
 
