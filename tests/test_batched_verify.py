@@ -64,10 +64,16 @@ def _run(runner: TargetRunner, batched: bool, refs, steps: int = 6, seed: int = 
 @pytest.mark.parametrize("family", ["llama-mqa-tied", "qwen2-sliding-mixed", "gemma3", "mistral-sliding"])
 def test_batched_steps_equal_steps_alone(family, ragged, stories):
     """Both ways of batching (server/ragged.py, and the padded copy for models it cannot serve)."""
-    model = _model(family)
+    check_batched_equals_alone(_model(family), family, ragged, stories[1])
+
+
+def check_batched_equals_alone(model, family: str, ragged: bool, tokenizer) -> None:
+    """Six steps of four sessions verified in batches equal the same steps verified one by one
+    (accepted and bonus tokens, features, caches) and the target's greedy `generate()`, on the
+    model's device (tests/test_cuda.py runs it on a GPU)."""
     refs = [reference_greedy(model, p, 40) for p in PROMPTS]  # before any runner switched the attention
-    alone, alone_sessions = _run(TargetRunner(model, stories[1], family), False, refs)
-    runner = TargetRunner(model, stories[1], family)
+    alone, alone_sessions = _run(TargetRunner(model, tokenizer, family), False, refs)
+    runner = TargetRunner(model, tokenizer, family)
     assert runner.ragged  # every family here runs SDPA attention
     runner.ragged = ragged
     batched, batched_sessions = _run(runner, True, refs)

@@ -54,11 +54,17 @@ FAMILIES = ["llama-mqa-tied", "qwen2", "qwen3", "mistral-sliding", "qwen2-slidin
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_decodes_exactly_with_non_contiguous_paths(family, stories):
-    model = _model(family)
+    check_decodes_exactly(_model(family), family, stories[1])
+
+
+def check_decodes_exactly(model, family: str, tokenizer) -> None:
+    """Greedy split decoding equals the target's own `generate()` on the model's device (tests/test_cuda.py
+    runs it on a GPU), for an always-right drafter whose right token sits behind two wrong siblings
+    at every depth and for an always-wrong one."""
     prompt = [1, 45, 100, 17, 99, 4, 250, 33, 71, 12]  # longer than the window already
     ref = reference_greedy(model, prompt, 40)
     assert len(set(ref)) > 10, "a degenerate random model (one repeated token) would test nothing"
-    runner = TargetRunner(model, stories[1], family)
+    runner = TargetRunner(model, tokenizer, family)
     for right in (True, False):
         # the right token sits after two wrong siblings at every depth: accepted paths skip rows
         drafter = OracleDrafter(prompt, ref, VOCAB, right=right, depth=4, wrong_siblings=2)

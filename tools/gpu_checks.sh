@@ -3,12 +3,17 @@
 # job on the same warm machine (bootstrap done, /tmp/site in place), or after bootstrap in a call
 # of its own (the call that carried .gpu-c copied it to /tmp/gpu-c). About 4-6 minutes; every
 # result lands under $OUT as it is written.
-# 1. SmolLM2-135M on CUDA, fp32 and bf16: verify-step time against tree size (1-25 positions),
+# 0. tests/test_cuda.py: the greedy-equality and batched-verification tests with the target on CUDA
+#    (pytest and stories260K carried in .gpu-c; SPLITSPEC_TEST_DEVICE=cpu for a dry run here);
+# 1. serve-bench: 1, 4, 8, 16 concurrent clients against the server on CUDA, batching off and on
+#    (first: the one figure of issue 11 no GPU has given yet; it needs grpcio >= 1.85.1 in /tmp/site,
+#    tools/gpu_site.sh);
+# 2. SmolLM2-135M on CUDA, fp32 and bf16: verify-step time against tree size (1-25 positions),
 #    against the copy-bandwidth floor, and greedy agreement of tree verification with the same
 #    target's generate() on 6 Spec-Bench prompts (the lossless check on this device);
-# 2. the same timings for a Llama of Llama-3-8B's shape with random weights (shape figures only);
-# 3. serve-bench: 1, 4, 8, 16 concurrent clients against the server on CUDA, batching off and on.
-# Settings by environment (a dry run on a CPU: DEVICE=cpu SHAPE=llama-tiny CLIENTS=1,4 SECONDS=2 PROMPTS=1):
+# 3. the same timings for a Llama of Llama-3-8B's shape with random weights (shape figures only).
+# Settings by environment (a dry run on a CPU: DEVICE=cpu SPLITSPEC_TEST_DEVICE=cpu SHAPE=llama-tiny CLIENTS=1,4
+# SECONDS=2 PROMPTS=1):
 # DEVICE SHAPE CLIENTS SECONDS PROMPTS.
 set -u
 DEVICE=${DEVICE:-cuda}; SHAPE=${SHAPE:-llama-8b}; CLIENTS=${CLIENTS:-1,4,8,16}; SECONDS_PER=${SECONDS:-6}
@@ -18,12 +23,15 @@ export SPLITSPEC_SPEC_BENCH=${SPLITSPEC_SPEC_BENCH:-/tmp/gpu-c/question.jsonl}  
 mkdir -p "$OUT"
 T0=$(date +%s)
 log() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/checks.log"; }
+log "tests/test_cuda.py"
+SPLITSPEC_STORIES=${SPLITSPEC_STORIES:-/tmp/gpu-c/stories260K/hf} timeout 240 python3 -m pytest -q -p no:cacheprovider \
+  tests/test_cuda.py > "$OUT/test-cuda.log" 2>&1; log "rc=$? ($(tail -1 "$OUT/test-cuda.log"))"
+log "serve-bench"
+timeout 200 splitspec serve-bench --device "$DEVICE" --clients "$CLIENTS" --max-batch 1,8 --seconds "$SECONDS_PER" \
+  --out "$OUT/serve-bench-$DEVICE.md" > "$OUT/serve-bench.log" 2>&1; log "rc=$?"
 log "verify-cost smollm2-135m"
 timeout 150 splitspec verify-cost --device "$DEVICE" --prompts "$PROMPTS" --linear torch --repeats 20 \
   > "$OUT/verify-cost-smollm2-$DEVICE.md" 2>> "$OUT/checks.log"; log "rc=$?"
 log "verify-cost random $SHAPE"
 timeout 150 splitspec verify-cost --device "$DEVICE" --target "random:$SHAPE" --prompts 0 --linear torch --repeats 10 \
   --context 1024 > "$OUT/verify-cost-$SHAPE-$DEVICE.md" 2>> "$OUT/checks.log"; log "rc=$?"
-log "serve-bench"
-timeout 200 splitspec serve-bench --device "$DEVICE" --clients "$CLIENTS" --max-batch 1,8 --seconds "$SECONDS_PER" \
-  --out "$OUT/serve-bench-$DEVICE.md" > "$OUT/serve-bench.log" 2>&1; log "rc=$?"

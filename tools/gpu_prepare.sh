@@ -5,6 +5,10 @@
 #                  would take `cache=` silently into **kwargs: shared/models.check_transformers)
 #   .gpu-b/data    the distilled answers, gzipped
 #   .gpu-c/init    the shipped moa-tli0 and eagle2 checkpoints (the fine-tuning start)
+#   .gpu-c/wheels  the venv's grpcio: the GPU image's 1.84 refuses the generated stubs (they need
+#                  >= 1.85.1), which stopped serve-bench there in session 26 (.gpu-b has no room left);
+#                  and pytest with its dependencies, for tests/test_cuda.py (tools/gpu_checks.sh)
+#   .gpu-c/stories260K  the tiny real Llama the tests use (../shared/models/stories260K)
 #   .gpu-c/job.sh  tools/gpu_job.sh
 #   .gpu-c/question.jsonl  Spec-Bench's prompts, for tools/gpu_checks.sh
 # Run from the checkout with `../shared/gpu/slim.sh on` first (and `off` before any commit).
@@ -14,7 +18,7 @@ root=$(git rev-parse --show-toplevel)
 cd "$root"
 bash "$root/../shared/gpu/prepare.sh"
 py=.venv/bin/python
-mkdir -p .gpu-b/wheels .gpu-b/data .gpu-c/init
+mkdir -p .gpu-b/wheels .gpu-b/data .gpu-c/init .gpu-c/wheels
 "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu-b/wheels \
   "transformers==$("$py" -c 'import transformers; print(transformers.__version__)')" \
@@ -22,6 +26,13 @@ mkdir -p .gpu-b/wheels .gpu-b/data .gpu-c/init
   "tokenizers==$("$py" -c 'import tokenizers; print(tokenizers.__version__)')" \
   "safetensors==$("$py" -c 'import safetensors; print(safetensors.__version__)')" \
   "regex==$("$py" -c 'import regex; print(regex.__version__)')" 2>&1 | grep -vi warning || true
+"$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu-c/wheels \
+  "grpcio==$("$py" -c 'import grpc; print(grpc.__version__)')" 2>&1 | grep -vi warning || true
+"$py" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu-c/wheels \
+  "pytest==$("$py" -c 'import pytest; print(pytest.__version__)')" 2>&1 | grep -vi warning || true
+cp -r "$root/../shared/models/stories260K" .gpu-c/
 for f in data/smollm2-answers*.jsonl; do gzip -c "$f" > ".gpu-b/data/$(basename "$f").gz"; done
 cp data/smollm2-answers*.jsonl.gz .gpu-b/data/
 cp -r client/checkpoints/smollm2-135m/moa-tli0 client/checkpoints/smollm2-135m/eagle2 .gpu-c/init/
