@@ -247,11 +247,32 @@ def check_transformers(version: str | None = None) -> None:
                            "releases ignore); pip install 'transformers>=5.24,<6'")
 
 
+CUDNN_ATTENTION_ENV = "SPLITSPEC_CUDNN_ATTENTION"
+
+
+def use_cudnn_attention(enabled: bool | None = None) -> bool:
+    """Whether SDPA may pick cuDNN's attention on CUDA, process-wide; returns the setting made.
+
+    `enabled=None` reads $SPLITSPEC_CUDNN_ATTENTION ("1" turns it on); off otherwise. PyTorch builds
+    a cuDNN graph for every new attention shape, and splitspec's shapes change at every step: a
+    session's context grows by the tokens each verify accepts, a training batch's padded length
+    varies. On an H100 (session 26, `train --profile-steps`) those builds took ~380 ms of a ~0.5 s
+    training step with the GPU busy ~95 ms; flash and memory-efficient attention build nothing.
+    `load_model` applies it for a CUDA model, so a target and the `generate()` it is compared with
+    in one process use the same kernels. No effect on a CPU.
+    """
+    if enabled is None:
+        enabled = os.environ.get(CUDNN_ATTENTION_ENV, "") == "1"
+    torch.backends.cuda.enable_cudnn_sdp(enabled)
+    return enabled
+
+
 def load_model(name: str, *, device: str = "cpu", dtype: str | torch.dtype = "float32", linear: str = "auto"):
     """Load a causal LM for inference (eval mode, no grad), honouring `@layers=N`.
 
     On the CPU its linear layers are prepacked for oneDNN (`linear`, see shared/packed_linear.py:
-    "auto", "onednn" or "torch" for transformers' own `nn.Linear`).
+    "auto", "onednn" or "torch" for transformers' own `nn.Linear`). On CUDA, SDPA stops choosing
+    cuDNN's attention for the whole process unless $SPLITSPEC_CUDNN_ATTENTION=1 (`use_cudnn_attention`).
 
     Returns:
         (model, tokenizer, model_id)
@@ -273,6 +294,8 @@ def load_model(name: str, *, device: str = "cpu", dtype: str | torch.dtype = "fl
     model.to(device).eval().requires_grad_(False)
     if torch.device(device).type == "cpu":
         pack_linears(model, linear)
+    elif torch.device(device).type == "cuda":
+        use_cudnn_attention()
     tokenizer = _with_template(AutoTokenizer.from_pretrained(path))
     return model, tokenizer, model_id
 

@@ -222,21 +222,36 @@ def test_profile_steps_write_where_the_time_went_and_change_nothing(stories_path
         _small(stories_path, tmp_path / "d", profile_steps=-1)
 
 
-def test_cuda_training_leaves_cudnn_attention_out_unless_asked(tmp_path):
+def test_cuda_training_leaves_cudnn_attention_out_unless_asked(tmp_path, monkeypatch):
     """On CUDA a training step's SDPA may not pick cuDNN (a graph build per batch shape: host time
-    that dominated an H100 step), and the global setting is restored afterwards; --cudnn-attention
-    keeps it, and on a CPU nothing changes. The flags are global, so this runs on a CPU build."""
+    that dominated an H100 step) and --cudnn-attention puts it back, whatever the process-wide
+    setting `load_model` made; both restore that setting afterwards, and on a CPU nothing changes.
+    The flags are global, so this runs on a CPU build."""
+    from splitspec.shared.models import CUDNN_ATTENTION_ENV, use_cudnn_attention
+
     def cfg(**kw):
         return TrainConfig(drafter="moa", target="x", out=tmp_path, dtype="float32", **kw)
 
     before = torch.backends.cuda.cudnn_sdp_enabled()
-    with attention_backends(cfg(device="cuda")):
-        assert not torch.backends.cuda.cudnn_sdp_enabled()
-        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
-    assert torch.backends.cuda.cudnn_sdp_enabled() == before
-    for kept in (cfg(device="cuda", cudnn_attention=True), cfg(device="cpu")):
-        with attention_backends(kept):
-            assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    try:
+        for process_wide in (True, False):
+            torch.backends.cuda.enable_cudnn_sdp(process_wide)
+            with attention_backends(cfg(device="cuda")):
+                assert not torch.backends.cuda.cudnn_sdp_enabled()
+                assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+            assert torch.backends.cuda.cudnn_sdp_enabled() == process_wide
+            with attention_backends(cfg(device="cuda", cudnn_attention=True)):
+                assert torch.backends.cuda.cudnn_sdp_enabled()
+            assert torch.backends.cuda.cudnn_sdp_enabled() == process_wide
+            with attention_backends(cfg(device="cpu")):
+                assert torch.backends.cuda.cudnn_sdp_enabled() == process_wide
+        # the process-wide switch load_model applies to a CUDA model: off unless the environment asks
+        monkeypatch.delenv(CUDNN_ATTENTION_ENV, raising=False)
+        assert use_cudnn_attention() is False and not torch.backends.cuda.cudnn_sdp_enabled()
+        monkeypatch.setenv(CUDNN_ATTENTION_ENV, "1")
+        assert use_cudnn_attention() is True and torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
 
 
 def test_checkpoint_over_the_size_limit_is_refused(stories):

@@ -315,18 +315,19 @@ class Trainee:
 def attention_backends(cfg: TrainConfig):
     """The SDPA backends a training step may use: a context manager.
 
-    On CUDA, cuDNN's attention is left out unless `cfg.cudnn_attention`: PyTorch builds a cuDNN graph
-    for every new shape, and a training batch's padded length changes from step to step. Profiled on
-    an H100 (session 26, `--profile-steps 3`, moa + eagle2, batch 32 x 1,024, bf16): 0.57-0.77 s a
-    step of which the GPU was busy ~95 ms, and `_cudnn_attention_forward/backward` took ~380 ms of
-    host time a step (5.5 ms a forward call, 35 ms a backward). Flash and memory-efficient attention
-    have no per-shape build. On a CPU the choice is PyTorch's (cuDNN does not apply).
+    On CUDA, cuDNN's attention is left out unless `cfg.cudnn_attention` (`--cudnn-attention`): it
+    builds a graph for every new shape, and a training batch's padded length changes from step to
+    step (profiled on an H100 in session 26: ~380 ms of host time in a ~0.5 s step whose GPU work
+    was ~95 ms; shared/models.py, `use_cudnn_attention`). Either way the list is explicit, so the
+    process-wide setting `load_model` made does not decide it. On a CPU the choice is PyTorch's.
     """
-    if torch.device(cfg.device).type != "cuda" or cfg.cudnn_attention:
+    if torch.device(cfg.device).type != "cuda":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, *backends] if cfg.cudnn_attention else backends,
+                       set_priority=cfg.cudnn_attention)
 
 
 def _autocast(cfg: TrainConfig):
