@@ -446,7 +446,8 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
 
         profiler = StepProfiler(cfg.profile_steps, cfg.device, cfg.out / "profile.txt",
                                 header=f"splitspec train --drafter {cfg.drafter} --batch {cfg.batch} --max-len "
-                                       f"{cfg.max_len} --dtype {cfg.dtype} on {_hardware(cfg)}")
+                                       f"{cfg.max_len} --dtype {cfg.dtype}{' --cudnn-attention' * cfg.cudnn_attention} "
+                                       f"on {_hardware(cfg)}")
     if cfg.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     stopping = False
