@@ -15,8 +15,9 @@ at depth k is accepted, a tree of depth D, top-B and N nodes yields
 
     E[tokens] = 1 + sum_{d=1..D} prod_{k=1..d} q_k(min(B, max(1, N // D)))
 
-per call (the bonus token included) and costs draft(D) + link + verify(N + 1) milliseconds; the
-planner picks the (D, B, N) of a grid that maximises E[tokens] / cost, or no tree at all (one
+per call (the bonus token included) and costs draft(D) + link + verify(N + 1 + X) milliseconds, X the
+rows a step's tree carries beyond the N it was asked for (a merged prompt-lookup chain's own nodes,
+client/drafters/ngram.py `PromptLookup`; an EWMA of what the verified trees held); the planner picks the (D, B, N) of a grid that maximises E[tokens] / cost, or no tree at all (one
 token per call, no drafting) when even the smallest tree costs more than it returns. Every choice
 is a valid tree for the same drafter, so decoding stays lossless whatever is chosen. When the link
 changes (4g -> lan), the EWMA of its cost follows within a few calls and so does the choice.
@@ -125,10 +126,13 @@ class TreePlanner:
     hits: np.ndarray = field(default_factory=lambda: np.zeros((MAX_DEPTH, MAX_RANK)))
     offered: np.ndarray = field(default_factory=lambda: np.zeros((MAX_DEPTH, MAX_RANK)))
 
+    extra_rows: float = 0.0  # EWMA of the rows a verified tree held beyond the nodes chosen (lookup chains)
+
     def __post_init__(self) -> None:
         self.verify_fit = _LinearFit(self.config.window)
         self.draft_fit = _LinearFit(self.config.window)
         self.chosen: collections.Counter[str] = collections.Counter()
+        self._asked_nodes = 0  # max_nodes of the last tree `choose` returned (0: none)
 
     # -- measurements ------------------------------------------------------------------------
 
@@ -139,6 +143,9 @@ class TreePlanner:
         self.link_ms = link if self.link_ms is None else (1 - alpha) * self.link_ms + alpha * link
         if call.server_forward_ms > 0:
             self.verify_fit.add(tree.size + 1, call.server_forward_ms)
+        if self._asked_nodes and tree.size:  # rows the shape did not ask for: priced into every candidate
+            extra = max(tree.size - self._asked_nodes, 0)
+            self.extra_rows = (1 - alpha) * self.extra_rows + alpha * extra
         depth = max(tree.depths(), default=0)
         if depth:
             self.draft_fit.add(depth, draft_ms)
@@ -178,7 +185,8 @@ class TreePlanner:
         one = self.verify_fit.predict(1, cfg.verify_slope_prior, DEFAULT_STEP_MS)
         link = self.link_ms or 0.0
         draft = functools.cache(lambda depth: self.draft_fit.predict(depth, 1.0, cfg.draft_slope_prior * one))
-        verify = functools.cache(lambda nodes: self.verify_fit.predict(nodes + 1, cfg.verify_slope_prior,
+        extra = self.extra_rows
+        verify = functools.cache(lambda nodes: self.verify_fit.predict(nodes + 1 + extra, cfg.verify_slope_prior,
                                                                        DEFAULT_STEP_MS))
         return lambda tree: link + one if tree is None else draft(tree.depth) + link + verify(tree.max_nodes)
 
@@ -198,6 +206,7 @@ class TreePlanner:
             if rate > best_rate:
                 best, best_rate = tree, rate
         self.chosen["none" if best is None else f"{best.depth}x{best.top_b}x{best.max_nodes}"] += 1
+        self._asked_nodes = 0 if best is None else best.max_nodes
         return best
 
     def report(self) -> dict:
@@ -205,5 +214,6 @@ class TreePlanner:
         return {"link_ms": None if self.link_ms is None else round(self.link_ms, 2),
                 "verify_ms_1": round(self.verify_fit.predict(1, self.config.verify_slope_prior, DEFAULT_STEP_MS), 2),
                 "verify_ms_9": round(self.verify_fit.predict(9, self.config.verify_slope_prior, DEFAULT_STEP_MS), 2),
+                "extra_rows": round(self.extra_rows, 2),
                 "accept_top1_by_depth": [round(float(r), 3) for r in self.accept_rates()[:, 0]],
                 "chosen": dict(self.chosen)}

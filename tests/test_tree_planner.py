@@ -2,6 +2,8 @@
 trees it picks as the link and the acceptance change, and that decoding stays exact with it."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from splitspec.client.drafters.factory import make_drafter
@@ -59,6 +61,28 @@ def test_poor_acceptance_buys_small_trees():
     assert poor.choose() is None  # nothing pays: one token per call, no drafting
     assert poor.accept_rates()[0, 0] < 0.15 < 0.6 < good.accept_rates()[0, 0]
     assert poor.report()["chosen"] == {"none": 1}
+
+
+def test_rows_beyond_the_chosen_tree_are_priced():
+    """A merged prompt-lookup chain adds rows to every tree the planner asks for: the planner learns
+    how many (an EWMA of what the verified trees held beyond the nodes it chose) and prices them into
+    every candidate's verify, not into the no-tree step, which carries no chain."""
+    planner = TreePlanner()
+    for _ in range(40):
+        shape = planner.choose()
+        size = (shape.max_nodes if shape else 0) + 8  # 8 lookup rows beside whatever was asked for
+        forward = 40.0 + 6.0 * (size + 1)
+        planner.observe(DraftTree.chain(list(range(1, size + 1))), [1, 2], CallStats(forward, forward, forward), 10.0)
+    assert planner.extra_rows == pytest.approx(8.0, rel=0.05)
+    assert planner.report()["extra_rows"] == pytest.approx(8.0, rel=0.05)
+    unpriced = copy.deepcopy(planner)
+    unpriced.extra_rows = 0.0
+    shape = TreeConfig(2, 2, 4)
+    assert planner.step_ms()(shape) - unpriced.step_ms()(shape) == pytest.approx(8 * 6.0, rel=0.2)  # ~6 ms a row
+    assert planner.step_ms()(None) == unpriced.step_ms()(None)
+    assert unpriced.choose() is not None
+    unpriced.extra_rows = 200.0  # a chain that long makes every tree dearer than one plain token
+    assert unpriced.choose() is None
 
 
 def test_the_choice_follows_a_link_change():
