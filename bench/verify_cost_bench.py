@@ -30,7 +30,7 @@ import torch
 from transformers import DynamicCache
 
 from splitspec.server import ragged
-from splitspec.shared.models import encode_chat, load_model
+from splitspec.shared.models import encode_chat, load_model, use_cudnn_attention
 from splitspec.shared.packed_linear import onednn_available
 from splitspec.shared.reference import target_greedy
 from splitspec.shared.tree import DraftTree, tree_buffers
@@ -66,6 +66,8 @@ def random_model(name: str, dtype: str, device: str):
     config = LlamaConfig(**RANDOM_SHAPES[name])
     with torch.device(device):
         model = LlamaForCausalLM._from_config(config, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+    if torch.device(device).type == "cuda":
+        use_cudnn_attention()  # as load_model does for a CUDA model
     return model.eval().requires_grad_(False)
 
 
