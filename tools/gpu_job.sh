@@ -40,10 +40,15 @@ train() {  # $1 dtype, $2 minutes, $3 run folder
 log "train start (${TRAIN_MIN} min, batch $BATCH, lr $LR, max-len $MAXLEN; data $DATA)"
 T1=$(date +%s); train bfloat16 "$TRAIN_MIN" "$R/train"; rc=$?
 log "train rc=$rc"
-if [ $rc -ne 0 ] && [ $(( $(date +%s) - T1 )) -lt 90 ]; then  # an early failure under autocast: once more in fp32
+if [ $rc -ne 0 ]; then  # out of memory (any time): half the batch; another early failure under autocast: fp32
   tr '\r' '\n' < "$R/train.log" | tail -c 3000 > "$OUT/train-bf16-failed.log"
   left=$(python3 -c "print(max(0.5, $TRAIN_MIN - ($(date +%s) - $T1) / 60))")
-  log "retry in float32 for $left min"; rm -rf "$R/train"; train float32 "$left" "$R/train"; log "train rc=$?"
+  if grep -qi "out of memory" "$R/train.log"; then
+    BATCH=$(( BATCH / 2 )); log "out of memory: retry at batch $BATCH for $left min"
+    rm -rf "$R/train"; train bfloat16 "$left" "$R/train"; log "train rc=$?"
+  elif [ $(( $(date +%s) - T1 )) -lt 90 ]; then
+    log "retry in float32 for $left min"; rm -rf "$R/train"; train float32 "$left" "$R/train"; log "train rc=$?"
+  fi
 fi
 tr '\r' '\n' < "$R/train.log" | grep -v "^train moa" | tail -c 6000 > "$OUT/train.log"
 tr '\r' '\n' < "$R/train.log" | grep "^train moa" | tail -3 >> "$OUT/train.log"
