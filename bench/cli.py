@@ -6,6 +6,8 @@ plotting and evaluation packages load when a command runs, so that `splitspec --
 """
 from __future__ import annotations
 
+import argparse
+
 from splitspec.shared.models import DEFAULT_TARGET
 
 DEFAULT_METHODS = "none,ngram,draft-model:smollm2-135m@layers=8,eagle2,moa,moa:tli=1,falcon,tokenswift,swift"
@@ -102,7 +104,23 @@ def _add_verify_cost_parser(sub) -> None:
     p.add_argument("--spec-bench", default=None, help="path to Spec-Bench question.jsonl")
     p.add_argument("--compile", action="store_true",
                    help="also time the forward through torch.compile beside eager (minutes of compiling)")
+    p.add_argument("--batches", type=_batch_sizes, default=[],
+                   help="also time one verify step of B sessions scored together, per B (e.g. 1,4,8,16): the "
+                        "service's batched path; each session --context tokens and a --batch-nodes tree")
+    p.add_argument("--batch-nodes", type=int, default=4, help="draft tree nodes per session in --batches (default: "
+                   "the 2x2x4 default tree)")
     p.set_defaults(func=cmd_verify_cost)
+
+
+def _batch_sizes(text: str) -> list[int]:
+    """'1,4,8,16' -> [1, 4, 8, 16] (sizes >= 1, in the order given)."""
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated session counts, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"session counts must be >= 1, got {text!r}")
+    return sizes
 
 
 def cmd_offline_eval(args) -> None:

@@ -16,6 +16,10 @@ Measured here, in one process:
   forward synchronised), and `--target random:llama-8b` times a Llama of Llama-3-8B's shape with
   random weights (no tokenizer: pair it with `--prompts 0`), the large target the issue asks about
   where no such checkpoint is at hand;
+- with `--batches 1,4,8,16`, one verify step of B sessions scored together (the service's batched
+  path, `TargetRunner.verify_batch`: ragged where the model allows), each session a `--batch-nodes`
+  tree after `--context` tokens of its own, against B: what a server verifying B clients in one
+  forward pays per step (docs/scaling.md's T_verify(B));
 - with `--compile`, the same forwards through `torch.compile(model.forward, dynamic=True)` (the
   runner's cache class and mask, inductor's default mode), timed beside eager on the same inputs
   once compiled, with the compile time and the largest logit difference from eager.
@@ -30,9 +34,12 @@ import torch
 from transformers import DynamicCache
 
 from splitspec.server import ragged
+from splitspec.server.runner import TargetRunner
+from splitspec.shared.features import FeatureRequest
 from splitspec.shared.models import encode_chat, load_model, use_cudnn_attention
 from splitspec.shared.packed_linear import onednn_available
 from splitspec.shared.reference import target_greedy
+from splitspec.shared.sampling import SamplingParams
 from splitspec.shared.tree import DraftTree, tree_buffers
 
 from .prompts import load_prompts
@@ -123,6 +130,37 @@ def step_ms(model, context: int, positions: int, repeats: int, forward=None) -> 
             _sync(device)
             times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times[1:]), out.logits[0].float().cpu()
+
+
+def batched_ms(model, context: int, nodes: int, batches: list[int], repeats: int) -> dict[int, float]:
+    """Median ms of one verify step of B sessions scored together, per B in `batches`.
+
+    Each session holds `context` random prompt tokens; each step verifies a `nodes`-node tree of random
+    tokens per session through the service's runner (`TargetRunner.verify` for B = 1, `verify_batch`
+    otherwise; acceptance included, so the sessions' caches grow by the one token each step commits).
+    """
+    runner = TargetRunner(model, None, "verify-cost")
+    generator = torch.Generator().manual_seed(context * 1000 + nodes)  # ids drawn on the CPU: any device
+    vocab = runner.vocab_size
+    parents = tuple(-1 if i < 2 else (i - 2) // 2 for i in range(nodes))  # two roots, then two children a node
+    out = {}
+    for b in batches:
+        sessions = [runner.open(torch.randint(0, vocab, (context,), generator=generator).tolist(), SamplingParams(),
+                                FeatureRequest())[0] for _ in range(b)]
+        times = []
+        for _ in range(repeats + 1):
+            items = [(session, DraftTree(tuple(torch.randint(0, vocab, (nodes,), generator=generator).tolist()),
+                                         parents), None, ()) for session in sessions]
+            _sync(runner.device)
+            start = time.perf_counter()
+            results = runner.verify_batch(items) if b > 1 else [runner.verify(*items[0])]
+            _sync(runner.device)
+            times.append((time.perf_counter() - start) * 1e3)
+            failed = [r for r in results if isinstance(r, Exception)]
+            if failed:
+                raise failed[0]
+        out[b] = statistics.median(times[1:])
+    return out
 
 
 def greedy_mismatches(model, tokenizer, prompts: list[list[int]], new_tokens: int) -> tuple[list[int | None], float]:
@@ -220,6 +258,19 @@ def cmd_verify_cost(args) -> None:
             compiled_rows.append(row)
             goals.append(f"- {name} compiled: 25-position verify / one-position step = {ratio:.2f}x (goal <= 1.3x: "
                          f"{'met' if ratio <= 1.3 else 'missed'})")
+    if args.batches:
+        lines += ["", f"Batched sessions: one verify step of B sessions scored together ({args.batch_nodes}-node "
+                  f"trees, {args.context} tokens of context each; the service's verify_batch), median of {args.repeats}:",
+                  "", "| dtype | linear | " + " | ".join(f"B={b} ms" for b in args.batches)
+                  + " | " + " | ".join(f"tokens/s gain at B={b}" for b in args.batches if b > 1) + " |",
+                  "|---|---|" + "---|" * len(args.batches) + "---|" * sum(b > 1 for b in args.batches)]
+        for (name, linear), model in variants.items():
+            ms = batched_ms(model, args.context, args.batch_nodes, args.batches, args.repeats)
+            base = ms.get(1)
+            gains = [f"{b * base / ms[b]:.2f}x" if base else "-" for b in args.batches if b > 1]
+            lines.append(f"| {name} | {linear} | " + " | ".join(f"{ms[b]:.1f}" for b in args.batches)
+                         + " | " + " | ".join(gains) + " |")
+            print(f"{name} {linear} batched: " + ", ".join(f"B={b} {t:.1f} ms" for b, t in ms.items()), file=sys.stderr)
     if compiled_rows:
         lines += ["", "torch.compile (inductor, dynamic shapes, torch linear layers) beside eager, same inputs:", "",
                   "| dtype | compile + first calls s | " + " | ".join(f"{n} pos ms (eager)" for n in POSITIONS)

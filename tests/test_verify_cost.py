@@ -77,9 +77,49 @@ def test_verify_cost_runs_end_to_end_on_a_random_shape(capsys):
     from splitspec.bench.verify_cost_bench import cmd_verify_cost
 
     args = argparse.Namespace(target="random:llama-tiny", device="cpu", context=16, repeats=2, threads=1,
-                              prompts=0, linear="torch", new_tokens=4, spec_bench=None, compile=False)
+                              prompts=0, linear="torch", new_tokens=4, spec_bench=None, compile=False,
+                              batches=[1, 3], batch_nodes=4)
     cmd_verify_cost(args)
     out = capsys.readouterr().out
     assert "random:llama-tiny (random weights)" in out and "| float32 | torch |" in out and "| bfloat16 | torch |" in out
+    assert "Batched sessions" in out and "| B=1 ms | B=3 ms | tokens/s gain at B=3 |" in out
+    assert len([line for line in out.splitlines() if line.startswith("| float32 | torch |")]) == 2  # both tables
     with pytest.raises(SystemExit, match="--prompts 0"):
         cmd_verify_cost(argparse.Namespace(**{**vars(args), "prompts": 2}))
+
+
+def test_batched_step_times_the_services_batched_path(monkeypatch):
+    """--batches times one verify step of B sessions through the runner's batched path (a single
+    session through `verify`), every session's step succeeding and committing its token."""
+    from splitspec.bench import verify_cost_bench
+    from splitspec.server.runner import TargetRunner
+
+    calls = []
+    real_batch, real_one = TargetRunner.verify_batch, TargetRunner.verify
+
+    def verify_batch(self, items):
+        calls.append(len(items))
+        out = real_batch(self, items)
+        assert all(not isinstance(r, Exception) for r in out)
+        return out
+
+    def verify(self, *item):
+        calls.append(1)
+        return real_one(self, *item)
+
+    monkeypatch.setattr(TargetRunner, "verify_batch", verify_batch)
+    monkeypatch.setattr(TargetRunner, "verify", verify)
+    ms = verify_cost_bench.batched_ms(_model("qwen2"), context=10, nodes=6, batches=[1, 4], repeats=2)
+    assert set(ms) == {1, 4} and all(t > 0 for t in ms.values())
+    assert calls == [1] * 3 + [4] * 3  # repeats + the discarded first step, per B
+
+
+def test_batch_sizes_are_parsed_and_checked():
+    import argparse
+
+    from splitspec.bench.cli import _batch_sizes
+
+    assert _batch_sizes("1,4, 8,16") == [1, 4, 8, 16]
+    for bad in ("0,4", "a,b", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _batch_sizes(bad)

@@ -10,7 +10,8 @@
 #    tools/gpu_site.sh);
 # 2. SmolLM2-135M on CUDA, fp32 and bf16: verify-step time against tree size (1-25 positions),
 #    against the copy-bandwidth floor, and greedy agreement of tree verification with the same
-#    target's generate() on 6 Spec-Bench prompts (the lossless check on this device);
+#    target's generate() on 6 Spec-Bench prompts (the lossless check on this device), and one verify
+#    step of B = CLIENTS sessions scored together (T_verify(B), docs/scaling.md);
 #    then the same with cuDNN's attention allowed (off by default on CUDA since session 26: does it pay?);
 # 3. the same timings for a Llama of Llama-3-8B's shape with random weights (shape figures only).
 # At most 8 files come back from $OUT: this writes 7.
@@ -32,11 +33,11 @@ log "serve-bench"
 timeout 200 splitspec serve-bench --device "$DEVICE" --clients "$CLIENTS" --max-batch 1,8 --seconds "$SECONDS_PER" \
   --out "$OUT/serve-bench-$DEVICE.md" > "$OUT/serve-bench.log" 2>&1; log "rc=$?"
 log "verify-cost smollm2-135m"
-timeout 150 splitspec verify-cost --device "$DEVICE" --prompts "$PROMPTS" --linear torch --repeats 20 \
+timeout 150 splitspec verify-cost --device "$DEVICE" --prompts "$PROMPTS" --linear torch --repeats 20 --batches "$CLIENTS" \
   > "$OUT/verify-cost-smollm2-$DEVICE.md" 2>> "$OUT/checks.log"; log "rc=$?"
 log "verify-cost smollm2-135m with cuDNN attention allowed (shared/models.use_cudnn_attention; the run above has it off)"
 SPLITSPEC_CUDNN_ATTENTION=1 timeout 120 splitspec verify-cost --device "$DEVICE" --prompts 1 --linear torch --repeats 20 \
   > "$OUT/verify-cost-smollm2-$DEVICE-cudnn.md" 2>> "$OUT/checks.log"; log "rc=$?"
 log "verify-cost random $SHAPE"
 timeout 150 splitspec verify-cost --device "$DEVICE" --target "random:$SHAPE" --prompts 0 --linear torch --repeats 10 \
-  --context 1024 > "$OUT/verify-cost-$SHAPE-$DEVICE.md" 2>> "$OUT/checks.log"; log "rc=$?"
+  --context 1024 --batches "$CLIENTS" > "$OUT/verify-cost-$SHAPE-$DEVICE.md" 2>> "$OUT/checks.log"; log "rc=$?"
