@@ -32,9 +32,12 @@ def target_greedy(model, prompt_ids: Sequence[int], max_new_tokens: int,
     ids = torch.tensor([list(prompt_ids)], device=next(model.parameters()).device)
     out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
                          streamer=streamer, logits_processor=processors, **stop)[0, len(prompt_ids):].tolist()
-    if eos_token_ids:
-        out = out[: next((i + 1 for i, t in enumerate(out) if t in eos_token_ids), len(out))]
-    return out
+    return _through_first_eos(out, eos_token_ids) if eos_token_ids else out
+
+
+def _through_first_eos(out: list[int], eos_token_ids: Sequence[int]) -> list[int]:
+    """`out` up to and including its first EOS token (all of it when there is none)."""
+    return out[: next((i + 1 for i, t in enumerate(out) if t in eos_token_ids), len(out))]
 
 
 def target_sampled(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_token_ids: Sequence[int],
@@ -60,8 +63,7 @@ def target_sampled(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_to
         out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=True, temperature=sampling.temperature,
                              top_p=sampling.top_p, top_k=sampling.top_k, streamer=streamer,
                              eos_token_id=list(eos_token_ids), pad_token_id=eos_token_ids[0])
-    out = out[0, len(prompt_ids):].tolist()
-    return out[: next((i + 1 for i, t in enumerate(out) if t in eos_token_ids), len(out))]
+    return _through_first_eos(out[0, len(prompt_ids):].tolist(), eos_token_ids)
 
 
 class _ContextualPenalty:
