@@ -69,11 +69,11 @@ def cmd_serve_bench(args) -> None:
 def _add_serve_bench_parser(sub) -> None:
     p = sub.add_parser("serve-bench", help="the verify service under 1..16 concurrent clients, batching on and off")
     p.add_argument("--target", default=DEFAULT_TARGET)
-    p.add_argument("--clients", default="1,4,8,16", help="client counts, comma-separated")
-    p.add_argument("--max-batch", default="1,8", help="server --max-batch values compared, comma-separated (1 = off); N:padded runs the server with "
+    p.add_argument("--clients", type=_counts("client"), default=[1, 4, 8, 16], help="client counts, comma-separated")
+    p.add_argument("--max-batch", type=_max_batches, default=[(1, "ragged"), (8, "ragged")], help="server --max-batch values compared, comma-separated (1 = off); N:padded runs the server with "
                         "--batching padded (the copy-into-padded-rows way, for comparison)")
     p.add_argument("--drafter", default="ngram", help="each client's drafter (cheap ones leave the CPU to the server)")
-    p.add_argument("--seconds", type=float, default=20.0, help="measured time per (max batch, clients) point")
+    p.add_argument("--seconds", type=_positive, default=20.0, help="measured time per (max batch, clients) point")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--limit", type=int, default=2, help="Spec-Bench prompts per category the clients cycle through")
     p.add_argument("--spec-bench", default=None, help="path to Spec-Bench question.jsonl")
@@ -104,7 +104,7 @@ def _add_verify_cost_parser(sub) -> None:
     p.add_argument("--spec-bench", default=None, help="path to Spec-Bench question.jsonl")
     p.add_argument("--compile", action="store_true",
                    help="also time the forward through torch.compile beside eager (minutes of compiling)")
-    p.add_argument("--batches", type=_batch_sizes, default=[],
+    p.add_argument("--batches", type=_counts("session"), default=[],
                    help="also time one verify step of B sessions scored together, per B (e.g. 1,4,8,16): the "
                         "service's batched path; each session --context tokens and a --batch-nodes tree")
     p.add_argument("--batch-nodes", type=int, default=4, help="draft tree nodes per session in --batches (default: "
@@ -112,15 +112,48 @@ def _add_verify_cost_parser(sub) -> None:
     p.set_defaults(func=cmd_verify_cost)
 
 
-def _batch_sizes(text: str) -> list[int]:
-    """'1,4,8,16' -> [1, 4, 8, 16] (sizes >= 1, in the order given)."""
+def _counts(what: str):
+    """An argparse type: '1,4,8,16' -> [1, 4, 8, 16] (counts >= 1, in the order given)."""
+    def parse(text: str) -> list[int]:
+        try:
+            counts = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what} counts, got {text!r}") from None
+        if not counts or min(counts) < 1:
+            raise argparse.ArgumentTypeError(f"{what} counts must be >= 1, got {text!r}")
+        return counts
+    return parse
+
+
+def parse_batch(text: str) -> tuple[int, str]:
+    """'8' or '8:padded' -> (max batch, server --batching).
+
+    Raises:
+        ValueError: not N or N:ragged / N:padded with N >= 1.
+    """
+    size, _, batching = text.strip().partition(":")
+    if not size.isdigit() or int(size) < 1 or batching not in ("", "ragged", "padded"):
+        raise ValueError(f"--max-batch entries are N or N:ragged / N:padded with N >= 1, got {text!r}")
+    return int(size), batching or "ragged"
+
+
+def _max_batches(text: str) -> list[tuple[int, str]]:
+    """An argparse type: '1,8:padded' -> [(1, 'ragged'), (8, 'padded')]."""
     try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
+        return [parse_batch(b) for b in text.split(",")]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive(text: str) -> float:
+    """An argparse type: a number > 0."""
+    try:
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated session counts, got {text!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"session counts must be >= 1, got {text!r}")
-    return sizes
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
 
 
 def cmd_offline_eval(args) -> None:

@@ -101,8 +101,7 @@ def run_clients(address: str, n: int, prompts: list[list[int]], drafter: Drafter
 
 
 def cmd_serve_bench(args) -> None:
-    clients = [int(c) for c in args.clients.split(",")]
-    batches = [parse_batch(b) for b in args.max_batch.split(",")]
+    clients, batches = args.clients, args.max_batch  # parsed and checked by bench/cli.py
     tokenizer = load_tokenizer(args.target)
     fingerprint = tokenizer_fingerprint(tokenizer)
     texts = load_prompts(["spec_bench"], args.limit, args.spec_bench)
@@ -133,18 +132,6 @@ def cmd_serve_bench(args) -> None:
 
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(table + "\n")
-
-
-def parse_batch(text: str) -> tuple[int, str]:
-    """'8' or '8:padded' -> (max batch, server --batching).
-
-    Raises:
-        ValueError: not N or N:ragged / N:padded with N >= 1.
-    """
-    size, _, batching = text.strip().partition(":")
-    if not size.isdigit() or int(size) < 1 or batching not in ("", "ragged", "padded"):
-        raise ValueError(f"--max-batch entries are N or N:ragged / N:padded with N >= 1, got {text!r}")
-    return int(size), batching or "ragged"
 
 
 def render(results: list[ServeResult], args) -> str:

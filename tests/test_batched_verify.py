@@ -206,7 +206,8 @@ def test_serve_bench_drives_concurrent_clients(stories, serve, stories_path):
     fixed time; the table reports each point against one client and against unbatched serving."""
     from types import SimpleNamespace
 
-    from splitspec.bench.serve_bench import ServeResult, parse_batch, render, run_clients
+    from splitspec.bench.cli import parse_batch
+    from splitspec.bench.serve_bench import ServeResult, render, run_clients
     from splitspec.shared.config import ServerLimits
     from splitspec.shared.drafters.spec import DrafterSpec
     from splitspec.shared.models import tokenizer_fingerprint
@@ -234,6 +235,24 @@ def test_serve_bench_drives_concurrent_clients(stories, serve, stories_path):
     for bad in ("0", "x", "8:wide", "-1"):
         with pytest.raises(ValueError, match="--max-batch"):
             parse_batch(bad)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--clients", "1,0"], "client counts must be >= 1"),
+    (["--clients", "four"], "expected comma-separated client counts"),
+    (["--max-batch", "1,8:wide"], "--max-batch entries are N or N:ragged"),
+    (["--seconds", "0"], "must be > 0"),
+])
+def test_serve_bench_refuses_bad_flags_before_loading_anything(flags, message, capsys):
+    """A mistyped serve-bench flag is an argparse error naming the flag, not a traceback after the
+    tokenizer and prompts have loaded."""
+    from splitspec.cli.main import build_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["serve-bench", *flags])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    args = build_parser().parse_args(["serve-bench", "--clients", "2,8", "--max-batch", "1,8:padded"])
+    assert args.clients == [2, 8] and args.max_batch == [(1, "ragged"), (8, "padded")]
 
 
 def test_tree_attention_on_a_cpu_skips_repeating_grouped_keys(monkeypatch):
