@@ -174,6 +174,19 @@ def test_eval_only_measures_the_init_checkpoints_and_writes_nothing(stories_path
                      eval_only=True), progress=False)
 
 
+def test_heldout_figures_do_not_depend_on_the_training_max_len(stories_path, tmp_path, monkeypatch):
+    """Held-out conversations and tau prompts are cut at HELDOUT_MAX_LEN whatever --max-len trains
+    on, so a GPU run at 1,024 and a CPU run at 512 report comparable figures."""
+    from splitspec.train import trainer
+
+    train(_small(stories_path, tmp_path / "run", drafter="eagle2"), progress=False)
+    monkeypatch.setattr(trainer, "HELDOUT_MAX_LEN", 12)  # shorter than the held-out conversations
+    figures = [train(_small(stories_path, tmp_path / "none", drafter="eagle2", init=str(tmp_path / "run"),
+                            eval_only=True, max_len=max_len), progress=False)["eagle2"]
+               for max_len in (16, 256)]
+    assert figures[0]["heldout_loss"] == figures[1]["heldout_loss"] and figures[0]["tau"] == figures[1]["tau"]
+
+
 @pytest.mark.slow
 def test_drafters_trained_together_equal_alone(stories_path, tmp_path):
     together = train(_small(stories_path, tmp_path / "both"), progress=False)

@@ -53,6 +53,9 @@ MAX_CHECKPOINT_BYTES = 16 * 2**20  # the largest file a transfer back from a GPU
 # tree of the held-out tau measurement: fixed (not TreeConfig's defaults, which are tuned for speed
 # on a CPU) and deep enough for tau to show what the drafter predicts several tokens ahead
 EVAL_TREE = TreeConfig(depth=5, top_b=4, max_nodes=24)
+# Held-out conversations and tau prompts are cut at this many tokens whatever --max-len trains on,
+# so that figures of runs at different --max-len (the GPU's 1,024, the CPU's 512) compare.
+HELDOUT_MAX_LEN = 512
 
 
 class CheckpointTooLarge(ValueError):
@@ -417,7 +420,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
         examples, held = cached_examples(cfg, tokenizer)
         if not examples:
             raise ValueError("no training examples (empty data or every conversation too short)")
-    held_examples = [e for e in (tokenize_conversation(tokenizer, c, cfg.max_len) for c in held) if e]
+    held_examples = [e for e in (tokenize_conversation(tokenizer, c, HELDOUT_MAX_LEN) for c in held) if e]
     if cfg.eval_only:
         return {t.job.name: {"init": t.init_from, "tokens_total": t.init_tokens,
                              "eval_prompts": min(cfg.eval_prompts, len(held)),
@@ -646,7 +649,7 @@ def measure_tau(cfg, drafter, parts, target_model, tokenizer, conversations, job
     decoder = SpeculativeDecoder(LocalVerifier(TargetRunner(target_model, tokenizer, cfg.target)), runtime)
     records = []
     for conv in conversations:
-        prompt = encode_chat(tokenizer, [conv[0]])[-cfg.max_len:]
+        prompt = encode_chat(tokenizer, [conv[0]])[-HELDOUT_MAX_LEN:]
         records.append(decoder.generate(prompt, cfg.eval_new_tokens).stats.record())
     return accept_length(records)
 
