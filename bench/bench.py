@@ -51,7 +51,7 @@ from .report import render_markdown, write_plots
 from .service_process import free_port, start_server, stop_server
 
 WARMUP_TOKENS = 4
-LOCAL_OPTIONS = ("vocab", "tree", "lookup")  # ;lsa= and ;quant= only exist with a server
+LOCAL_OPTIONS = ("vocab", "tree", "lookup", "dtype")  # ;lsa= and ;quant= only exist with a server
 
 
 @dataclass(frozen=True)

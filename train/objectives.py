@@ -79,7 +79,7 @@ def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def moa_forward(drafter: MoADrafter, parts: TargetParts, target: TargetPass, starts: torch.Tensor):
     """Returns (pre-TLI prediction o [T, E], logits at target.trained [N, V], final state [T, E])."""
     T = target.input_ids.shape[0]
-    dtype = parts.embed.weight.dtype
+    dtype = parts.dtype
     memory = drafter.memory(stack_layer_kv(target.keys, target.values))  # [T, E]
     positions = torch.arange(T)[None]
     mem_keys, mem_values = drafter.memory_kv(memory, positions[0])
@@ -111,7 +111,7 @@ def eagle_forward(drafter: EagleDrafter, parts: TargetParts, target: TargetPass,
         feats = feats + (torch.rand(feats.shape, generator=rng) * 2 - 1) * noise * feats.std()
     T = feats.shape[0]
     j = torch.arange(T)
-    mask = _additive(j[None, :] <= j[:, None], parts.embed.weight.dtype)
+    mask = _additive(j[None, :] <= j[:, None], parts.dtype)
     return drafter(parts.embed(target.input_ids[1:])[None], feats[None], j[None], mask)[0]
 
 

@@ -338,7 +338,7 @@ def _autocast(cfg: TrainConfig):
 
 
 def _compute_dtype(cfg: TrainConfig, parts: TargetParts) -> torch.dtype:
-    return torch.bfloat16 if cfg.dtype == "bfloat16" else parts.embed.weight.dtype
+    return torch.bfloat16 if cfg.dtype == "bfloat16" else parts.dtype
 
 
 def trainee_loss(cfg: TrainConfig, t: Trainee, target: TargetBatch, opts: LossOptions, parts: TargetParts,

@@ -30,7 +30,7 @@ class EagleRuntime(Drafter):
                  quantization: int = pb.QUANTIZATION_NONE, seed: int = 0) -> None:
         self.module, self.parts, self.tree = module, parts, tree
         self.feature_request = FeatureRequest(hidden_layers=(-1,), quantization=quantization)
-        self.dtype = parts.embed.weight.dtype
+        self.dtype = parts.dtype
         self.generator = make_generator(seed, Stream.DRAFTER)
         self.reset((), FeatureBatch(0, 0))
 

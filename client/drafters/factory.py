@@ -6,12 +6,14 @@ default) wraps any drafter but none and ngram in `PromptLookupMerge` (client/dra
 """
 from __future__ import annotations
 
+import torch
+
 from splitspec.shared.drafters.checkpoint import TargetIdentity, checkpoint_id, load_checkpoint
 from splitspec.shared.drafters.draft_vocab import COUNTS, load_draft_vocab
 from splitspec.shared.drafters.shipped import target_folder
 from splitspec.shared.drafters.spec import DEFAULT_DRAFT_VOCAB, SELF_DRAFTING, DrafterSpec
 from splitspec.shared.drafters.target_parts import TargetParts
-from splitspec.shared.models import load_model, load_tokenizer, tokenizer_fingerprint
+from splitspec.shared.models import fastest_dtype, load_model, load_tokenizer, tokenizer_fingerprint
 from splitspec.shared.packed_linear import pack_linears
 from splitspec.v1 import verify_pb2 as pb
 
@@ -89,13 +91,13 @@ def _self_drafter(spec: DrafterSpec, *, target_fingerprint: str, target: str | N
     identity = TargetIdentity.of(target_model, tokenizer, model_id)
     if identity.tokenizer_fingerprint != target_fingerprint:
         raise TokenizerMismatch(f"{target} tokenizes differently from the server's target")
-    dtype = target_model.get_output_embeddings().weight.dtype
+    dtype = drafting_dtype(spec.dtype, target_model)
     _, module, meta = load_checkpoint(path, identity, dtype=dtype)
     if meta["kind"] != spec.kind:
         raise ValueError(f"{path} holds a {meta['kind']} drafter, not {spec.kind}")
     if next(module.parameters()).device.type == "cpu":
         pack_linears(module)  # drafting runs the same few-row products a decode step does
-    parts = TargetParts(target_model, module.config.tli if spec.kind == "moa" else 0)
+    parts = TargetParts(target_model, module.config.tli if spec.kind == "moa" else 0, dtype=dtype)
     parts.restrict_vocab(draft_vocab_ids(target, spec.vocab, target_fingerprint))
     quantization = FEATURE_QUANT[spec.quant]
     if spec.kind == "eagle2":
@@ -107,6 +109,24 @@ def _self_drafter(spec: DrafterSpec, *, target_fingerprint: str, target: str | N
     lsa_id = checkpoint_id(path) if spec.lsa == "server" else ""
     return MoARuntime(module, parts, spec.tree, lsa_placement=spec.lsa, lsa_id=lsa_id, quantization=quantization,
                       seed=seed)
+
+
+def drafting_dtype(name: str, target_model) -> torch.dtype:
+    """What a trained drafter computes in beside `target_model` (DrafterSpec.dtype): float32 or
+    bfloat16 as named; `auto`: bf16 when the target is in fp32 on a device where a bf16 matmul of
+    the drafters' shapes is measured at least 1.25x faster (shared/models.py `fastest_dtype`),
+    else the target's own dtype. Only drafts depend on it: the target verifies every token.
+
+    Drafting in bf16 on this project's 2-core AVX512-BF16 CPU (docs/benchmarks.md, "Session 27";
+    side by side in one run, all answers exact): 56 Spec-Bench prompts single-device, moa 1.39x ->
+    1.44x `generate()`, eagle2 1.54x -> 1.60x, tau 2.09 / 2.08 and 2.06 / 2.07; over 4g moa 1.39x
+    -> 1.45x remote AR. A moa step proposed in 8.2-9.2 -> 6.4-6.6 ms.
+    """
+    own = target_model.get_output_embeddings().weight.dtype
+    if name == "auto":
+        device = target_model.get_output_embeddings().weight.device.type
+        return torch.bfloat16 if own == torch.float32 and fastest_dtype(device) == "bfloat16" else own
+    return getattr(torch, name)
 
 
 def _swift(spec: DrafterSpec, *, target_fingerprint: str, target: str | None, target_model, seed: int) -> Drafter:

@@ -48,7 +48,7 @@ class MoARuntime(Drafter):
         self.feature_request = FeatureRequest(
             kv_layers=tuple(range(layers)) if lsa_placement == "client" else tli_layers,
             quantization=quantization, lsa_id=lsa_id if lsa_placement == "server" else "")
-        self.dtype = parts.embed.weight.dtype
+        self.dtype = parts.dtype
         self.generator = make_generator(seed, Stream.DRAFTER)
         self.reset((), FeatureBatch(0, 0))
 

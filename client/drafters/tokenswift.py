@@ -73,7 +73,7 @@ class TokenSwiftRuntime(Drafter):
         self.ngram_top_k = ngram_top_k
         self.index = NgramIndex(ngram)
         self.feature_request = FeatureRequest(hidden_layers=(-1,), quantization=quantization)
-        self.dtype = parts.embed.weight.dtype
+        self.dtype = parts.dtype
         self.generator = make_generator(seed, Stream.DRAFTER)
         self.reset((), FeatureBatch(0, 0))
 

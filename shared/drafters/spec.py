@@ -3,6 +3,7 @@
 Grammar (`generate --drafter`, `bench --methods`, `serve --lsa`, `offline-eval --drafters`):
 
     NAME[;lsa=client|server][;quant=fp16|int8|fp8][;vocab=N][;tree=DEPTHxTOPBxNODES|adaptive][;lookup=K]
+        [;dtype=auto|float32|bfloat16]
     NAME = auto | none | ngram | draft-model:MODEL[@layers=N] | moa[:tli=N | :PATH] | eagle2[:PATH]
          | falcon[:PATH] | tokenswift[:PATH] | swift[:ratio=R]
 
@@ -13,7 +14,9 @@ placement, the features' quantization (the trained drafters), the draft vocabula
 frequent tokens, 0 = full, -1 = the default) and the EAGLE-2 draft tree (`adaptive`: chosen each step
 by the client's network-aware planner, client/tree_planner.py); `lookup=K` merges a prompt-lookup
 chain of up to K tokens into each draft tree (0 = off; client/drafters/ngram.py,
-`PromptLookupMerge`; -1, the default, is DEFAULT_LOOKUP for every drafter but none and ngram). Options left out take the
+`PromptLookupMerge`; -1, the default, is DEFAULT_LOOKUP for every drafter but none and ngram); `dtype` is what the
+trained drafters compute in on the client (`auto`: bf16 where a bf16 matmul is measured faster, client/drafters/factory.py
+`drafting_dtype`; drafts only, so the output stays the target's). Options left out take the
 defaults the caller passes (the command's --lsa-placement, --feature-quant, ... flags).
 The server uses the same grammar for the MoA checkpoints whose LSA it hosts, hence shared/.
 """
@@ -30,7 +33,8 @@ KINDS = ("auto", "none", "ngram", "draft-model", "moa", "eagle2", "falcon", "tok
 SELF_DRAFTING = ("moa", "eagle2", "falcon", "tokenswift")  # drafters built on the target's own frozen parts
 LSA_PLACEMENTS = ("client", "server")
 QUANTIZATIONS = ("fp16", "int8", "fp8")
-OPTIONS = ("lsa", "quant", "vocab", "tree", "lookup")
+OPTIONS = ("lsa", "quant", "vocab", "tree", "lookup", "dtype")
+DRAFT_DTYPES = ("auto", "float32", "bfloat16")
 DEFAULT_DRAFT_VOCAB = 8192  # vocab=-1: this many tokens when the target has shipped token counts, else full
 NO_LOOKUP = ("none", "ngram")  # kinds that take no prompt-lookup chain (ngram is prompt lookup)
 DEFAULT_LOOKUP = 8  # lookup=-1: chains of up to 8 tokens (56 Spec-Bench prompts: moa 1.16x -> 1.33x generate())
@@ -59,6 +63,7 @@ class DrafterSpec:
     tree: TreeConfig = TreeConfig()
     adaptive: bool = False  # tree=adaptive: the client picks each step's tree (TreePlanner), from `tree` on
     lookup: int = -1  # prompt-lookup chain merged into draft trees: up to this many tokens; 0 = off, -1 = default
+    dtype: str = "auto"  # what a trained drafter computes in (DRAFT_DTYPES; auto: bf16 where measured faster)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -79,6 +84,8 @@ class DrafterSpec:
             raise ValueError(f"{self.name!r}: vocab must be >= 0")
         if self.lookup < -1:
             raise ValueError(f"{self.name!r}: lookup must be >= 0 (0 = off)")
+        if self.dtype not in DRAFT_DTYPES:
+            raise ValueError(f"{self.name!r}: dtype must be one of {', '.join(DRAFT_DTYPES)}, got {self.dtype!r}")
         if self.lookup > 0 and self.kind in NO_LOOKUP:
             raise ValueError(f"{self.kind} takes no lookup= (ngram is prompt lookup; none drafts nothing)")
 
@@ -111,7 +118,7 @@ class DrafterSpec:
         """The name and every option that differs from the class defaults."""
         defaults = DrafterSpec("none")
         words = [self.name]
-        words += [f"{key}={getattr(self, key)}" for key in ("lsa", "quant", "vocab", "lookup")
+        words += [f"{key}={getattr(self, key)}" for key in ("lsa", "quant", "vocab", "lookup", "dtype")
                   if getattr(self, key) != getattr(defaults, key)]
         if self.adaptive:
             words.append("tree=adaptive")
@@ -180,8 +187,8 @@ def _name_fields(name: str) -> dict:
 
 
 def _option_fields(given: dict[str, str], text: str) -> dict:
-    """lsa / quant / vocab / tree / lookup fields from the key=value options of `text`."""
-    fields = {key: given[key] for key in ("lsa", "quant") if key in given}
+    """lsa / quant / vocab / tree / lookup / dtype fields from the key=value options of `text`."""
+    fields = {key: given[key] for key in ("lsa", "quant", "dtype") if key in given}
     try:
         if "vocab" in given:
             fields["vocab"] = int(given["vocab"])
