@@ -301,19 +301,20 @@ class _Run:
         if plan is None:
             return
         tree, probs = plan.tree, plan.draft_probs
-        drafted = tree is None
+        drafted, own_nodes = tree is None, None
         if drafted:
             draft_start = self.stats.draft_ms
             proposal = self._propose()
             if proposal is None:
                 return  # privately produced tokens were written; no call needed for them yet
-            tree, probs = proposal.tree, proposal.draft_probs
+            tree, probs, own_nodes = proposal.tree, proposal.draft_probs, proposal.drafted
             self.stats.draft_tokens += tree.size
         self.inflight_forced = len(plan.forced)
         result = self.session.verify(tree, probs, plan.forced)
         self._record(result)
         if drafted and self.planner is not None and not plan.forced:  # empty trees too: link and verify(1) times
-            self.planner.observe(tree, result.accepted_tokens, result.stats, self.stats.draft_ms - draft_start)
+            self.planner.observe(tree, result.accepted_tokens, result.stats, self.stats.draft_ms - draft_start,
+                                 drafted=own_nodes)
         self._apply(len(plan.forced), result)
 
     def _propose(self):

@@ -136,7 +136,8 @@ class PrivacyGuard:
                            tuple(ROOT if tree.parents[n] == ROOT else index[tree.parents[n]] for n in keep))
         rows = {ROOT if r == ROOT else index[r]: row for r, row in proposal.draft_probs.items()
                 if r == ROOT or r in index}
-        return Proposal(pruned, rows)
+        drafted = None if proposal.drafted is None else sum(n < proposal.drafted for n in keep)
+        return Proposal(pruned, rows, drafted)
 
 
 def best_path(proposal: Proposal) -> tuple[list[int], list]:

@@ -13,11 +13,15 @@ Cost model (EAGLE-2's dynamic tree, Li et al. 2024, §4, with the expected-lengt
 Leviathan et al. 2023, §3.5 extended to trees): with q_k(B) the chance that one of the top-B children
 at depth k is accepted, a tree of depth D, top-B and N nodes yields
 
-    E[tokens] = 1 + sum_{d=1..D} prod_{k=1..d} q_k(min(B, max(1, N // D)))
+    E[tokens] = 1 + G + sum_{d=1..D} prod_{k=1..d} q_k(min(B, max(1, N // D)))
 
 per call (the bonus token included) and costs draft(D) + link + verify(N + 1 + X) milliseconds, X the
 rows a step's tree carries beyond the N it was asked for (a merged prompt-lookup chain's own nodes,
-client/drafters/ngram.py `PromptLookup`; an EWMA of what the verified trees held); the planner picks the (D, B, N) of a grid that maximises E[tokens] / cost, or no tree at all (one
+client/drafters/ngram.py `PromptLookupMerge`; an EWMA of what the verified trees held) and G the
+tokens those rows got accepted (an EWMA too). The q_k are learnt from the drafter's own nodes only:
+a token accepted through a lookup node is the chain's, not a wider tree's, and crediting it to the
+drafter's lower-ranked children would make wide trees look better than they are. The planner picks
+the (D, B, N) of a grid that maximises E[tokens] / cost, or no tree at all (one
 token per call, no drafting) when even the smallest tree costs more than it returns. Every choice
 is a valid tree for the same drafter, so decoding stays lossless whatever is chosen. When the link
 changes (4g -> lan), the EWMA of its cost follows within a few calls and so does the choice.
@@ -67,16 +71,22 @@ class PlannerConfig:
     window: int = 64
 
 
-def path_ranks(tree: DraftTree, accepted: Sequence[int]) -> list[tuple[int, int | None]]:
+def path_ranks(tree: DraftTree, accepted: Sequence[int], drafted: int | None = None
+               ) -> list[tuple[int, int | None]]:
     """For each depth the accepted path reached a parent of: (children offered, rank of the
     accepted child or None). Siblings are ranked by index (the drafters order them by score).
 
     `accepted` are the accepted draft tokens, root first; a rejected depth ends the list.
+    `drafted`: nodes 0 .. drafted-1 are the drafter's, the rest a prompt-lookup chain's
+    (client/drafters/ngram.py `PromptLookupMerge` appends them): only the drafter's children are
+    offered and ranked, and the list ends where the path leaves them (`lookup_tokens` counts what
+    the chain got accepted after that).
     """
     out: list[tuple[int, int | None]] = []
     parent = ROOT
+    limit = tree.size if drafted is None else drafted
     for depth in range(len(accepted) + 1):
-        children = tree.children(parent)
+        children = [c for c in tree.children(parent) if c < limit]
         if not children:
             break
         if depth == len(accepted):
@@ -85,10 +95,25 @@ def path_ranks(tree: DraftTree, accepted: Sequence[int]) -> list[tuple[int, int 
         token = accepted[depth]
         rank = next((r for r, c in enumerate(children) if tree.tokens[c] == token), None)
         out.append((len(children), rank))
-        if rank is None:  # the server accepted a token the tree does not hold: nothing more to learn
+        if rank is None:  # rejected, or accepted through a lookup node: nothing more to learn here
             break
         parent = children[rank]
     return out
+
+
+def lookup_tokens(tree: DraftTree, accepted: Sequence[int], drafted: int | None) -> int:
+    """How many of the `accepted` draft tokens lie on prompt-lookup nodes (index >= `drafted`) of
+    `tree`: the tokens a step gained from the chain beyond the drafter's own tree."""
+    if drafted is None or drafted >= tree.size:
+        return 0
+    parent, gained = ROOT, 0
+    for token in accepted:
+        node = next((c for c in tree.children(parent) if tree.tokens[c] == token), None)
+        if node is None:
+            break
+        gained += node >= drafted
+        parent = node
+    return gained
 
 
 class _LinearFit:
@@ -127,6 +152,7 @@ class TreePlanner:
     offered: np.ndarray = field(default_factory=lambda: np.zeros((MAX_DEPTH, MAX_RANK)))
 
     extra_rows: float = 0.0  # EWMA of the rows a verified tree held beyond the nodes chosen (lookup chains)
+    lookup_gain: float = 0.0  # EWMA of the accepted tokens a step got from lookup nodes (credited to every tree)
 
     def __post_init__(self) -> None:
         self.verify_fit = _LinearFit(self.config.window)
@@ -136,8 +162,11 @@ class TreePlanner:
 
     # -- measurements ------------------------------------------------------------------------
 
-    def observe(self, tree: DraftTree, accepted: Sequence[int], call: CallStats, draft_ms: float) -> None:
-        """One Verify of `tree` (not an offline chain or a forced-token call) and its outcome."""
+    def observe(self, tree: DraftTree, accepted: Sequence[int], call: CallStats, draft_ms: float,
+                drafted: int | None = None) -> None:
+        """One Verify of `tree` (not an offline chain or a forced-token call) and its outcome;
+        `drafted`: the tree's first nodes that the drafter proposed (the rest came from a
+        prompt-lookup chain; None = all)."""
         link = max(call.rtt_ms - call.server_total_ms, 0.0)
         alpha = self.config.link_alpha
         self.link_ms = link if self.link_ms is None else (1 - alpha) * self.link_ms + alpha * link
@@ -149,7 +178,9 @@ class TreePlanner:
         depth = max(tree.depths(), default=0)
         if depth:
             self.draft_fit.add(depth, draft_ms)
-        for d, (offered, rank) in enumerate(path_ranks(tree, accepted)[:MAX_DEPTH]):
+        if tree.size:
+            self.lookup_gain = (1 - alpha) * self.lookup_gain + alpha * lookup_tokens(tree, accepted, drafted)
+        for d, (offered, rank) in enumerate(path_ranks(tree, accepted, drafted)[:MAX_DEPTH]):
             self.offered[d, : min(offered, MAX_RANK)] += 1
             if rank is not None and rank < MAX_RANK:
                 self.hits[d, rank] += 1
@@ -167,12 +198,12 @@ class TreePlanner:
 
     def expected_tokens(self, tree: TreeConfig | None, rates: np.ndarray | None = None) -> float:
         """E[tokens per call] of a tree shape (module docstring; None = no tree: 1); the bonus
-        token included."""
+        token and what prompt-lookup chains have been adding per step (`lookup_gain`) included."""
         if tree is None:
             return 1.0
         rates = self.accept_rates() if rates is None else rates
         width = min(tree.top_b, max(1, tree.max_nodes // tree.depth), MAX_RANK)
-        expected, reach = 1.0, 1.0
+        expected, reach = 1.0 + self.lookup_gain, 1.0
         for d in range(min(tree.depth, MAX_DEPTH)):
             reach *= min(float(rates[d, :width].sum()), 1.0)
             expected += reach
@@ -215,5 +246,6 @@ class TreePlanner:
                 "verify_ms_1": round(self.verify_fit.predict(1, self.config.verify_slope_prior, DEFAULT_STEP_MS), 2),
                 "verify_ms_9": round(self.verify_fit.predict(9, self.config.verify_slope_prior, DEFAULT_STEP_MS), 2),
                 "extra_rows": round(self.extra_rows, 2),
+                "lookup_gain": round(self.lookup_gain, 3),
                 "accept_top1_by_depth": [round(float(r), 3) for r in self.accept_rates()[:, 0]],
                 "chosen": dict(self.chosen)}

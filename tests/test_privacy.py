@@ -37,6 +37,8 @@ def test_guard_prune_and_private_run():
     tree = DraftTree((10, 5, 11, 12, 7), (ROOT, ROOT, 0, 2, 0))
     pruned = guard.prune([1, 3], Proposal(tree))
     assert pruned.tree.tokens == (10, 5) and pruned.tree.parents == (ROOT, ROOT)
+    assert pruned.drafted is None
+    assert guard.prune([1, 3], Proposal(tree, drafted=4)).drafted == 2  # nodes 0-1 kept of the drafter's 0-3
     assert guard.private_run([1, 3], [10, 11, 12, 4]) == 3  # the drafter reproduces the span: write it here
     assert guard.private_run([1, 3], [4, 10, 11]) == 0  # private text later in the path: prune instead
     assert guard.private_run([1, 10], [11, 4]) == 1  # the run started in the context

@@ -8,7 +8,7 @@ import pytest
 
 from splitspec.client.drafters.factory import make_drafter
 from splitspec.client.loop import SpeculativeDecoder
-from splitspec.client.tree_planner import PlannerConfig, TreePlanner, path_ranks
+from splitspec.client.tree_planner import PlannerConfig, TreePlanner, lookup_tokens, path_ranks
 from splitspec.server.local import LocalVerifier
 from splitspec.server.runner import TargetRunner
 from splitspec.shared.config import TreeConfig
@@ -29,6 +29,38 @@ def test_path_ranks_reads_the_accepted_path():
     assert path_ranks(TREE, [10, 21]) == [(2, 0), (3, 1), (1, None)]
     assert path_ranks(TREE, [10, 21, 30]) == [(2, 0), (3, 1), (1, 0)]  # the leaf has no children to offer
     assert path_ranks(TREE, [11]) == [(2, 1)]
+
+
+def test_lookup_nodes_are_not_the_drafters_ranks():
+    """A prompt-lookup chain's nodes (appended after the drafter's) are neither offered nor ranked as
+    the drafter's children; the tokens accepted through them are counted apart."""
+    # the drafter's tree (nodes 0-2): root -> (10, 11); 10 -> (20); the chain 10, 25, 35 adds nodes 3-4
+    tree = DraftTree((10, 11, 20, 25, 35), (-1, -1, 0, 0, 3))
+    assert path_ranks(tree, [10, 25, 35]) == [(2, 0), (2, 1), (1, 0)]  # read as a drafter's 2nd child
+    assert path_ranks(tree, [10, 25, 35], drafted=3) == [(2, 0), (1, None)]  # the drafter's 20 was rejected
+    assert path_ranks(tree, [10, 20], drafted=3) == [(2, 0), (1, 0)]
+    assert lookup_tokens(tree, [10, 25, 35], drafted=3) == 2 and lookup_tokens(tree, [10, 20], drafted=3) == 0
+    assert lookup_tokens(tree, [10, 25, 35], drafted=None) == 0
+
+
+def test_what_lookup_chains_add_is_credited_to_every_tree_not_to_wide_ones():
+    """Steps where the drafter's top child is accepted at depth 1 and a lookup chain then adds two
+    tokens: read as the drafter's, the chain's node is a third-ranked child accepted every time (a
+    wider tree would look worth it); read as the chain's, the drafter's children at depth 2 are never
+    accepted, and the chain's two tokens are credited to every tree, none to sending no tree."""
+    tree = DraftTree((10, 11, 20, 21, 25, 35), (-1, -1, 0, 0, 0, 4))  # drafter: nodes 0-3; chain: 25, 35
+    with_lookup, as_drafter = TreePlanner(), TreePlanner()
+    for _ in range(60):
+        stats = CallStats(100.0, 60.0, 60.0)
+        with_lookup.observe(tree, [10, 25, 35], stats, 10.0, drafted=4)
+        as_drafter.observe(tree, [10, 25, 35], stats, 10.0)
+    assert with_lookup.lookup_gain == pytest.approx(2.0, rel=0.01) and as_drafter.lookup_gain == 0.0
+    assert with_lookup.accept_rates()[1, 2] < 0.1 < 0.5 < as_drafter.accept_rates()[1, 2]
+    narrow, wide = TreeConfig(2, 1, 2), TreeConfig(2, 3, 6)
+    assert with_lookup.expected_tokens(wide) - with_lookup.expected_tokens(narrow) < 0.1
+    assert as_drafter.expected_tokens(wide) - as_drafter.expected_tokens(narrow) > 0.3
+    assert with_lookup.expected_tokens(narrow) > 3.0 and with_lookup.expected_tokens(None) == 1.0
+    assert with_lookup.report()["lookup_gain"] == pytest.approx(2.0, rel=0.01)
 
 
 def _feed(planner: TreePlanner, link_ms: float, accepted_share: float, steps: int = 60) -> None:

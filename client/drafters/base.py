@@ -23,6 +23,7 @@ class Proposal:
 
     tree: DraftTree
     draft_probs: dict[int, SparseProbs] = field(default_factory=dict)
+    drafted: int | None = None  # nodes 0 .. drafted-1 are the drafter's; later ones a lookup chain's (None: all)
 
 
 @dataclass(frozen=True)

@@ -130,7 +130,7 @@ class PromptLookupMerge(Drafter):
             self.stats["lookup_steps"] += 1
             self.stats["lookup_nodes"] += tree.size - proposal.tree.size
             self._added = set(_paths(tree)[proposal.tree.size:])
-        return Proposal(tree, proposal.draft_probs)
+        return Proposal(tree, proposal.draft_probs, drafted=proposal.tree.size)
 
     def commit(self, new_tokens, features) -> None:
         if self._added:  # accepted tokens the chain drafted and the inner drafter did not
