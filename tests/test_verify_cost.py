@@ -117,9 +117,10 @@ def test_batched_step_times_the_services_batched_path(monkeypatch):
 def test_batch_sizes_are_parsed_and_checked():
     import argparse
 
-    from splitspec.bench.cli import _batch_sizes
+    from splitspec.bench.cli import _counts
 
-    assert _batch_sizes("1,4, 8,16") == [1, 4, 8, 16]
+    sizes = _counts("session")
+    assert sizes("1,4, 8,16") == [1, 4, 8, 16]
     for bad in ("0,4", "a,b", ""):
-        with pytest.raises(argparse.ArgumentTypeError):
-            _batch_sizes(bad)
+        with pytest.raises(argparse.ArgumentTypeError, match="session counts"):
+            sizes(bad)
