@@ -57,6 +57,14 @@ class PackedLinear(nn.Linear):
         linear._pack()
         return linear
 
+    def __getstate__(self) -> dict:
+        """Copies (`copy.deepcopy`, pickling) leave the oneDNN copy out (an opaque tensor that can be
+        neither copied nor pickled); the copy packs its own weight on its first forward."""
+        state = self.__dict__.copy()
+        state.pop("_packed", None)
+        state["_packed_key"] = None
+        return state
+
     def _pack(self) -> None:
         with torch.no_grad():
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _BATCH_HINT)

@@ -71,6 +71,27 @@ def test_a_weight_replaced_by_a_dtype_change_is_repacked():
     torch.testing.assert_close(got.float(), F.linear(x, head.weight).float(), rtol=3e-2, atol=3e-2)
 
 
+def test_a_copied_packed_module_packs_its_own_weight():
+    """copy.deepcopy (and pickling) of a module with packed linears works: the copy leaves the
+    oneDNN copy behind and packs its own weight on first use; the original keeps its packing."""
+    import copy
+    import pickle
+
+    model = _model("qwen2")
+    pack_linears(model, "onednn")
+    head = model.lm_head
+    packed_before = head._packed
+    clone = copy.deepcopy(head)
+    assert "_packed" not in clone.__dict__ and head._packed is packed_before
+    x = torch.randn(2, 3, model.config.hidden_size)
+    with torch.no_grad():
+        want, got = head(x), clone(x)
+    assert clone._packed is not packed_before
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(pickle.loads(pickle.dumps(head))(x), want, rtol=0, atol=0)
+
+
 def test_autograd_and_autocast_take_torchs_path():
     linear = PackedLinear.convert(_linear())
     linear.requires_grad_(True)

@@ -52,7 +52,8 @@ class TargetParts(nn.Module):
         self.embed = CastEmbedding(decoder.embed_tokens, self.dtype) if cast else decoder.embed_tokens
         self.norm = copy.deepcopy(decoder.norm).to(self.dtype) if cast else decoder.norm
         tli_layers = list(decoder.layers[layers - tli:]) if tli else []
-        self.layers = nn.ModuleList([_cast_copy(layer, self.dtype) for layer in tli_layers] if cast else tli_layers)
+        copies = [copy.deepcopy(layer).to(self.dtype) for layer in tli_layers] if cast else tli_layers
+        self.layers = nn.ModuleList(copies)
         self.rotary = decoder.rotary_emb
         self.draft_vocab: torch.Tensor | None = None  # ids [N] the drafter may propose; None = all
         self._draft_head: nn.Linear | None = None  # the LM head's rows for draft_vocab
@@ -84,10 +85,10 @@ class TargetParts(nn.Module):
         weight, bias = self.lm_head.weight, getattr(self.lm_head, "bias", None)
         rows = slice(None) if ids is None else ids
         with torch.inference_mode(False), torch.no_grad():
+            kept = weight.detach()[rows].to(self.dtype, copy=True)
             # on "meta": no random init of a [N, E] weight that is replaced at once
-            head = nn.Linear(weight.shape[1], weight[rows].shape[0], bias=bias is not None, device="meta",
-                             dtype=self.dtype)
-            head.weight = nn.Parameter(weight.detach()[rows].to(self.dtype, copy=True), requires_grad=False)
+            head = nn.Linear(kept.shape[1], kept.shape[0], bias=bias is not None, device="meta", dtype=self.dtype)
+            head.weight = nn.Parameter(kept, requires_grad=False)
             if bias is not None:
                 head.bias = nn.Parameter(bias.detach()[rows].to(self.dtype, copy=True), requires_grad=False)
             return PackedLinear.convert(head) if isinstance(self.lm_head, PackedLinear) else head
@@ -130,19 +131,3 @@ class TargetParts(nn.Module):
             hidden = self.norm(hidden)
         return (self.head(hidden) if head else None), hidden
 
-
-def _cast_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """A frozen copy of `module` in `dtype`. Prepacked linears' oneDNN weights cannot be deep-copied:
-    they are set aside for the copy and the copy's linears are packed again in `dtype`."""
-    packed = [m for m in module.modules() if isinstance(m, PackedLinear)]
-    stashed = [(m.__dict__.pop("_packed", None), m.__dict__.pop("_packed_key", None)) for m in packed]
-    try:
-        out = copy.deepcopy(module)
-    finally:
-        for m, (weight, key) in zip(packed, stashed):
-            m._packed, m._packed_key = weight, key
-    out = out.to(dtype).requires_grad_(False)
-    for m in out.modules():
-        if isinstance(m, PackedLinear):
-            m._pack()
-    return out
