@@ -63,3 +63,42 @@ def test_sigstop_pause_is_counted():
     counted, wall, paused = _pause_child(signal.SIGSTOP)
     assert paused == 0.0
     assert counted >= 1.5
+
+
+STOPPING_CHILD = """
+import signal, sys, time
+from splitspec.train.clock import RunClock
+clock = RunClock().install()
+print("ready", flush=True)
+deadline = time.monotonic() + 30
+while not clock.stop_requested and time.monotonic() < deadline:
+    time.sleep(0.01)
+print("stop requested" if clock.stop_requested else "no stop", flush=True)
+sys.stdin.readline()  # the parent sends the second signal now
+time.sleep(30)
+print("survived", flush=True)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_first_stop_signal_asks_a_clean_stop_and_a_second_one_is_not_caught(sig):
+    """The first SIGINT / SIGTERM only sets `stop_requested` (the trainer saves and exits); a second
+    one has the default effect, so a run that hangs can still be killed."""
+    # a child started in the background ignores SIGINT unless something installs a handler: set it default
+    child = subprocess.Popen([sys.executable, "-c", STOPPING_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        os.kill(child.pid, sig)
+        assert child.stdout.readline().strip() == "stop requested"
+        assert child.poll() is None  # still running: the first signal only asked
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        time.sleep(0.2)
+        os.kill(child.pid, sig)
+        out, _ = child.communicate(timeout=20)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert "survived" not in out
+    assert child.returncode != 0

@@ -216,6 +216,41 @@ def test_max_minutes_stops_and_resume_continues_exactly(stories_path, tmp_path):
             torch.testing.assert_close(a[name][key], b[name][key], rtol=0, atol=0)
 
 
+@pytest.mark.slow
+def test_a_stop_signal_saves_and_resume_continues_exactly(stories_path, tmp_path, monkeypatch):
+    """A SIGTERM during a step (`kill PID`) ends the run after that step with its checkpoints and
+    state saved, as --max-minutes does; --resume then reaches the uninterrupted run's weights."""
+    import os
+    import signal
+
+    import splitspec.train.trainer as trainer
+
+    straight = train(_small(stories_path, tmp_path / "a", epochs=2), progress=False)
+    step = trainer._train_step
+
+    sent = []
+
+    def step_then_signal(*args, **kwargs):  # once: a second SIGTERM would terminate, as it should
+        out = step(*args, **kwargs)
+        if not sent:
+            sent.append(os.kill(os.getpid(), signal.SIGTERM))
+        return out
+
+    monkeypatch.setattr(trainer, "_train_step", step_then_signal)
+    before = signal.getsignal(signal.SIGTERM)
+    stopped = train(_small(stories_path, tmp_path / "b", epochs=2), progress=False)
+    assert signal.getsignal(signal.SIGTERM) is before  # the run gave the handler back
+    assert stopped["eagle2"]["step"] == 1 < straight["eagle2"]["step"]
+    assert (tmp_path / "b" / "eagle2" / "model.safetensors").exists()
+    monkeypatch.setattr(trainer, "_train_step", step)
+    resumed = train(_small(stories_path, tmp_path / "b", epochs=2, resume=True), progress=False)
+    assert resumed["eagle2"]["step"] == straight["eagle2"]["step"]
+    a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    for name in a:
+        for key in a[name]:
+            torch.testing.assert_close(a[name][key], b[name][key], rtol=0, atol=0)
+
+
 def test_profile_steps_write_where_the_time_went_and_change_nothing(stories_path, tmp_path):
     """--profile-steps N profiles steps 2 .. N + 1 into profile.txt (a run that ends first writes
     what it saw) and leaves the training itself exactly as it was."""

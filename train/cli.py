@@ -82,7 +82,8 @@ def _add_train_parser(sub) -> None:
     p.add_argument("--eval-every", type=int, default=50, help="optimizer steps between held-out evaluations")
     p.add_argument("--max-minutes", type=float, default=0.0,
                    help="stop cleanly after this many minutes of training (0 = no limit); time paused with "
-                        "SIGTSTP (kill -TSTP, Ctrl-Z) does not count")
+                        "SIGTSTP (kill -TSTP, Ctrl-Z) does not count; a first SIGINT or SIGTERM (Ctrl-C, kill PID) also "
+                        "stops cleanly after the current step (a second one is not caught)")
     p.add_argument("--time-schedule", action="store_true",
                    help="the lr decay and MoA's staircase follow --max-minutes as well as the steps (whichever is "
                         "further along), so a run the clock stops has finished its schedule; for a machine of unknown "

@@ -5,6 +5,11 @@ then. `--max-minutes` is a budget of training time: a run paused for twenty minu
 stop twenty minutes early with its cosine schedule cut short. The clock counts wall time minus
 the time between a SIGTSTP (`kill -TSTP PID`, or Ctrl-Z) and the SIGCONT that resumes the
 process. SIGSTOP cannot be caught, so a run paused with `kill -STOP` still counts the pause.
+
+The clock also takes a stop request: the first SIGINT (Ctrl-C) or SIGTERM (`kill PID`, a batch
+scheduler's notice) only sets `stop_requested`, so the trainer finishes its step, evaluates, saves
+its checkpoints and resumable state as `--max-minutes` would, and exits normally; a second one
+acts as it would have without the clock (KeyboardInterrupt, or termination).
 """
 from __future__ import annotations
 
@@ -15,10 +20,12 @@ import time
 
 
 class RunClock:
-    """Seconds of wall time since start, less the time spent stopped by SIGTSTP.
+    """Seconds of wall time since start, less the time spent stopped by SIGTSTP; and whether a
+    stop was asked for (`stop_requested`, bool).
 
     `install()` takes over SIGTSTP and SIGCONT (main thread only; elsewhere, or on platforms
-    without job control, the clock is plain wall time) and `uninstall()` gives them back.
+    without job control, the clock is plain wall time), SIGINT and SIGTERM (main thread only), and
+    `uninstall()` gives them back.
     """
 
     def __init__(self) -> None:
@@ -26,6 +33,7 @@ class RunClock:
         self._paused_s = 0.0
         self._stopped_at: float | None = None
         self._previous: dict[int, object] = {}
+        self.stop_requested = False
 
     def elapsed(self) -> float:
         """Seconds counted so far (float, >= 0)."""
@@ -39,9 +47,12 @@ class RunClock:
         return self._paused_s
 
     def install(self) -> "RunClock":
-        if not hasattr(signal, "SIGTSTP") or threading.current_thread() is not threading.main_thread():
+        if threading.current_thread() is not threading.main_thread():
             return self
-        for sig, handler in ((signal.SIGTSTP, self._on_tstp), (signal.SIGCONT, self._on_cont)):
+        handlers = [(signal.SIGINT, self._on_stop), (signal.SIGTERM, self._on_stop)]
+        if hasattr(signal, "SIGTSTP"):
+            handlers += [(signal.SIGTSTP, self._on_tstp), (signal.SIGCONT, self._on_cont)]
+        for sig, handler in handlers:
             self._previous[sig] = signal.signal(sig, handler)
         return self
 
@@ -49,6 +60,10 @@ class RunClock:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
+
+    def _on_stop(self, signum, frame) -> None:
+        self.stop_requested = True
+        signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))  # a second one is not caught here
 
     def _on_tstp(self, signum, frame) -> None:
         self._stopped_at = time.monotonic()

@@ -11,7 +11,8 @@ conversations: loss and top-1 agreement with the target (full vocabulary, fp32),
 memory gain (top-1 with the true cross-attention memory minus top-1 with the memory shuffled
 across positions: how much the drafter reads the target through CA), and the accept length tau of
 real greedy speculative decoding with a fixed tree (EVAL_TREE). The last checkpoint and the best
-one by held-out tau (`best/`) are kept. `max_minutes` stops a run cleanly; `resume` continues it
+one by held-out tau (`best/`) are kept. `max_minutes`, or a first SIGINT / SIGTERM (train/clock.py),
+stops a run cleanly after its current step; `resume` continues it
 exactly (the state file holds optimizers, schedule, data position and random states), also on
 another machine.
 """
@@ -471,7 +472,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
                 bar.update(1)
                 bar.set_postfix({name: f"{m['loss']:.2f}/{m['top1']:.2f}" for name, m in metrics.items()})
                 elapsed = start_s + clock.elapsed()
-                stopping = bool(cfg.max_minutes) and elapsed >= 60 * cfg.max_minutes
+                stopping = (bool(cfg.max_minutes) and elapsed >= 60 * cfg.max_minutes) or clock.stop_requested
                 if state["step"] % cfg.eval_every == 0 or state["step"] == total_steps or stopping:
                     state["elapsed_s"] = elapsed
                     for t in trainees:
@@ -492,6 +493,9 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
             if profiler is not None:
                 profiler.close()
     bar.close()
+    if clock.stop_requested:
+        log.warning("stopped on request at step %d of %d; checkpoints and state saved, --resume continues",
+                    state["step"], total_steps)
     return {t.job.name: (t.history[-1] if t.history else {}) for t in trainees}
 
 
