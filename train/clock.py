@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -63,6 +64,8 @@ class RunClock:
 
     def _on_stop(self, signum, frame) -> None:
         self.stop_requested = True
+        sys.stderr.write(f"\n{signal.Signals(signum).name}: stopping after this step (evaluation, checkpoints, "
+                         "state for --resume); send it again to stop at once without saving\n")
         signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))  # a second one is not caught here
 
     def _on_tstp(self, signum, frame) -> None:
