@@ -1,4 +1,5 @@
-"""`AnswerRecord`: one answer's counts, and `accept_length`, the one tau estimator.
+"""`AnswerRecord`: one answer's counts, `accept_length`, the one tau estimator, and
+`accept_length_interval`, how far that estimate moves with the answers it was measured on.
 
 The loop (client/loop.py `GenerationStats.record`), the benchmarks (bench/metrics.py) and the
 trainer's held-out evaluation report tau through `accept_length`, so that every table and card
@@ -61,3 +62,38 @@ def accept_length(records: Iterable[AnswerRecord]) -> float:
         tokens += r.new_tokens - 1
         calls += r.target_calls - 1
     return tokens / calls if calls > 0 else math.nan
+
+
+def accept_length_interval(records: Iterable[AnswerRecord], level: float = 0.95, resamples: int = 2000,
+                           seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of `accept_length` over answers (Efron and Tibshirani, "An
+    Introduction to the Bootstrap", 1993, ch. 13): the answers are drawn again with replacement
+    `resamples` times, the pooled ratio recomputed each time, and the central `level` share of those
+    ratios kept. Answers, not verify calls, are the unit drawn: calls within an answer share its
+    prompt and are not independent. Deterministic for a given `seed`.
+
+    Returns:
+        (low, high), tokens per verify call; (NaN, NaN) with fewer than two answers that made a
+        verify call, where an interval says nothing.
+    Raises:
+        ValueError: `level` outside (0, 1) or `resamples` < 1.
+    """
+    import numpy as np
+
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must lie in (0, 1), got {level}")
+    if resamples < 1:
+        raise ValueError(f"resamples must be >= 1, got {resamples}")
+    records = list(records)
+    tokens = np.array([r.new_tokens - 1 for r in records], dtype=np.float64)
+    calls = np.array([r.target_calls - 1 for r in records], dtype=np.float64)
+    if int((calls > 0).sum()) < 2:
+        return math.nan, math.nan
+    draws = np.random.default_rng(seed).integers(0, len(records), size=(resamples, len(records)))
+    drawn_calls = calls[draws].sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratios = tokens[draws].sum(axis=1) / drawn_calls
+    ratios = ratios[drawn_calls > 0]
+    tail = (1.0 - level) / 2 * 100
+    low, high = np.percentile(ratios, [tail, 100 - tail])
+    return float(low), float(high)

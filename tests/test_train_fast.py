@@ -154,7 +154,7 @@ def test_eval_only_measures_the_init_checkpoints_and_writes_nothing(stories_path
     """--eval-only gives each --init checkpoint the held-out figures its run ended with (within the
     bf16 rounding of the stored weights), trains nothing and writes nothing, and says how many
     prompts its tau used; a drafter without a checkpoint is refused."""
-    last = train(_small(stories_path, tmp_path / "run"), progress=False)
+    last = train(_small(stories_path, tmp_path / "run", eval_prompts=2), progress=False)
     before = {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*")}
     records = train(_small(stories_path, tmp_path / "none", init=str(tmp_path / "run"), eval_only=True,
                            eval_prompts=5), progress=False)
@@ -169,6 +169,12 @@ def test_eval_only_measures_the_init_checkpoints_and_writes_nothing(stories_path
                                                                      - want["heldout_loss"]) / 4
         assert got["tau"] >= 1.0 and ("memory_gain" in got) == (name == "moa-tli0")
         assert got["eval_prompts"] == 2  # as many as there are held-out conversations
+        low, high = got["tau_ci95"]  # the bootstrap over those two answers holds the pooled tau
+        assert 1.0 <= low <= got["tau"] <= high
+        low, high = want["tau_ci95"]  # the run's card states its interval
+        assert f"tau {want['tau']:.2f} (95% interval {low:.2f}-{high:.2f} over the prompts)" in \
+            (tmp_path / "run" / name / "card.md").read_text()
+        assert "interval" not in (tmp_path / "scratch" / name / "card.md").read_text()  # one prompt: none
     with pytest.raises(ValueError, match="no checkpoint to evaluate"):
         train(_small(stories_path, tmp_path / "x", init=str(tmp_path / "run"), drafter="moa,falcon",
                      eval_only=True), progress=False)

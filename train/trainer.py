@@ -626,17 +626,21 @@ def evaluate(cfg: TrainConfig, drafter, parts, target_model, tokenizer, held, he
             probe.rng.setstate(state)  # same chunks, memory shuffled
             _, m_shuffled = trainee_loss(fp32, probe, target, opts, parts, shuffle=torch.Generator().manual_seed(i))
             shuffled += m_shuffled["top1"] * m["rows"]
-    tau = measure_tau(cfg, drafter, parts, target_model, tokenizer, held[: cfg.eval_prompts], job)
+    tau, interval = measure_tau(cfg, drafter, parts, target_model, tokenizer, held[: cfg.eval_prompts], job)
     drafter.train()
-    record = {"heldout_loss": losses / max(1, rows), "heldout_top1": top1 / max(1, rows), "tau": tau}
+    record = {"heldout_loss": losses / max(1, rows), "heldout_top1": top1 / max(1, rows), "tau": tau,
+              "tau_ci95": list(interval)}
     if job.kind == "moa":
         record["memory_gain"] = (top1 - shuffled) / max(1, rows)
     return record
 
 
-def measure_tau(cfg, drafter, parts, target_model, tokenizer, conversations, job: DrafterJob | None = None) -> float:
+def measure_tau(cfg, drafter, parts, target_model, tokenizer, conversations, job: DrafterJob | None = None
+                ) -> tuple[float, tuple[float, float]]:
     """Accept length tau of greedy single-device speculative decoding on the first user turns,
-    pooled over the answers (`splitspec.shared.records.accept_length`, as the benchmarks report it)."""
+    pooled over the answers (`splitspec.shared.records.accept_length`, as the benchmarks report it),
+    and its 95% bootstrap interval over those answers (`accept_length_interval`; NaN for fewer
+    than two), which says how far the held-out prompts let two checkpoints' tau be told apart."""
     from splitspec.client.drafters.eagle import EagleRuntime
     from splitspec.client.drafters.falcon import FalconRuntime
     from splitspec.client.drafters.moa import MoARuntime
@@ -645,7 +649,7 @@ def measure_tau(cfg, drafter, parts, target_model, tokenizer, conversations, job
     from splitspec.server.local import LocalVerifier
     from splitspec.server.runner import TargetRunner
     from splitspec.shared.models import encode_chat
-    from splitspec.shared.records import accept_length
+    from splitspec.shared.records import accept_length, accept_length_interval
 
     job = job or cfg.jobs()[0]
     runtime = {"moa": MoARuntime, "eagle2": EagleRuntime, "falcon": FalconRuntime,
@@ -655,7 +659,14 @@ def measure_tau(cfg, drafter, parts, target_model, tokenizer, conversations, job
     for conv in conversations:
         prompt = encode_chat(tokenizer, [conv[0]])[-HELDOUT_MAX_LEN:]
         records.append(decoder.generate(prompt, cfg.eval_new_tokens).stats.record())
-    return accept_length(records)
+    return accept_length(records), accept_length_interval(records)
+
+
+def _interval_text(record: dict) -> str:
+    """' (95% interval 2.31-2.74 over the prompts)' from an evaluation record; '' where it has none
+    (records written before intervals were kept, or fewer than two prompts)."""
+    low, high = record.get("tau_ci95") or (math.nan, math.nan)
+    return "" if math.isnan(low) or math.isnan(high) else f" (95% interval {low:.2f}-{high:.2f} over the prompts)"
 
 
 def _hardware(cfg: TrainConfig) -> str:
@@ -717,8 +728,8 @@ def model_card(cfg: TrainConfig, t: Trainee, identity: TargetIdentity, state: di
         f"- hardware: {hardware}, {cfg.dtype} matmuls; {state['elapsed_s'] / 60:.1f} min for the run "
         f"(drafters trained together: {drafters})",
         f"- held-out ({cfg.heldout} conversations): loss {record['heldout_loss']:.4f}, top-1 agreement "
-        f"{record['heldout_top1']:.3f}{gain}; greedy single-device accept length tau {record['tau']:.2f} "
-        f"(EAGLE-2 tree depth {EVAL_TREE.depth}, top-{EVAL_TREE.top_b}, {EVAL_TREE.max_nodes} nodes"
+        f"{record['heldout_top1']:.3f}{gain}; greedy single-device accept length tau {record['tau']:.2f}"
+        f"{_interval_text(record)} (EAGLE-2 tree depth {EVAL_TREE.depth}, top-{EVAL_TREE.top_b}, {EVAL_TREE.max_nodes} nodes"
         + (f", draft vocabulary {state['train_vocab']}" if state.get("train_vocab") else "")
         + f"; {cfg.eval_prompts} prompts x {cfg.eval_new_tokens} tokens)", "",
         f"Reproduce: `splitspec train --drafter {drafters} --target {cfg.target} --data {cfg.data} "
