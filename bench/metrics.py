@@ -42,7 +42,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from splitspec.shared.drafters.spec import DrafterSpec
-from splitspec.shared.records import AnswerRecord, accept_length
+from splitspec.shared.records import AnswerRecord, accept_length, accept_length_interval
 
 ALL = "all"  # the category of an aggregate over every category
 BASELINE = "generate()"  # single-device autoregressive decoding (transformers generate)
@@ -157,6 +157,7 @@ class GroupStats:
     server_ms: float | None  # None when the rows do not report it (generate())
     itl_ms: tuple[float, ...]
     ttft_ms: tuple[float, ...]
+    tau_ci95: tuple[float, float] = (math.nan, math.nan)  # records.accept_length_interval over the answers
 
     @property
     def tokens_per_s(self) -> float:
@@ -227,7 +228,8 @@ def _pool(key: GroupKey, rows: list[BenchRecord]) -> GroupStats:
         open_up=sum(a.open_bytes_sent for a in answers), open_down=sum(a.open_bytes_received for a in answers),
         server_ms=None if any(s is None for s in server) else float(sum(server)),
         itl_ms=tuple(g for r in rows for g in r.itl_ms),
-        ttft_ms=tuple(r.ttft_ms for r in rows if r.ttft_ms is not None))
+        ttft_ms=tuple(r.ttft_ms for r in rows if r.ttft_ms is not None),
+        tau_ci95=accept_length_interval(answers))
 
 
 def speedup(groups: dict[GroupKey, GroupStats], key: GroupKey, reference: GroupKey) -> float:

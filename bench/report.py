@@ -18,7 +18,7 @@ PLOTS = ("tokens_per_s.png", "calls_per_token.png", "itl_p99.png")
 CALLS_GOAL = 0.3  # server calls per generated token, the issue's MoA goal
 DEFINITIONS = (
     "Definitions: tokens/s = generated tokens / client wall time (prefill included); tau = tokens per verify "
-    "call (accepted + bonus); calls/token = server calls (open + verify) per generated token; bytes/token = "
+    "call (accepted + bonus); tau 95% CI = percentile bootstrap over the answers (shared/records.py); calls/token = server calls (open + verify) per generated token; bytes/token = "
     "serialized protobuf bytes per token in the decoding phase (verify calls), each way; open KiB = the open "
     "call's reply (first token and the prompt's features); ITL = gap between consecutive tokens' arrival at "
     "the client (the tokens of one commit arrive together, so gaps inside a commit are 0 and p99 is the wait "
@@ -64,6 +64,11 @@ def _label(method: str, mode: str = "split") -> str:
 
 def _fmt(value: float, spec: str = ".2f", suffix: str = "") -> str:
     return "-" if value is None or math.isnan(value) else f"{value:{spec}}{suffix}"
+
+
+def _interval(bounds: tuple[float, float]) -> str:
+    low, high = bounds
+    return "-" if math.isnan(low) or math.isnan(high) else f"{low:.2f}-{high:.2f}"
 
 
 def _header(records: list[BenchRecord], meta: dict, cfg) -> str:
@@ -122,12 +127,13 @@ def detail_table(groups: dict[GroupKey, GroupStats], profile: str | None) -> str
     if not keys:
         return ""
     title = "### Single-device reference" if profile is None else f"### Profile {profile}: all metrics"
-    lines = [title, "", "| method | tokens/s | tau | calls/token | bytes/token up | bytes/token down | open KiB down | "
-             "ITL p50 ms | ITL p99 ms | TTFT p50 ms | server share | vs remote AR | vs single-device AR | exact |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [title, "", "| method | tokens/s | tau | tau 95% CI | calls/token | bytes/token up | bytes/token down | "
+             "open KiB down | ITL p50 ms | ITL p99 ms | TTFT p50 ms | server share | vs remote AR | vs single-device AR | "
+             "exact |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for k in keys:
         g = groups[k]
-        lines.append(f"| {_label(k.method, mode)} | {_fmt(g.tokens_per_s, '.1f')} | {_fmt(g.tau)} | {_fmt(g.calls_per_token)} | "
+        lines.append(f"| {_label(k.method, mode)} | {_fmt(g.tokens_per_s, '.1f')} | {_fmt(g.tau)} | {_interval(g.tau_ci95)} | "
+                     f"{_fmt(g.calls_per_token)} | "
                      f"{_fmt(g.bytes_up_per_token, '.0f')} | {_fmt(g.bytes_down_per_token, '.0f')} | "
                      f"{_fmt(g.open_kib_down, '.1f')} | "
                      f"{_fmt(g.itl_p50_ms, '.1f')} | {_fmt(g.itl_p99_ms, '.1f')} | {_fmt(g.ttft_p50_ms, '.0f')} | "

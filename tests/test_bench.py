@@ -91,6 +91,7 @@ def test_aggregate_pools_answers_per_group_and_over_categories():
     assert (g.answers, g.new_tokens, g.target_calls) == (2, 16, 6)
     assert g.tokens_per_s == pytest.approx(16 / 3.0)
     assert g.tau == pytest.approx((16 - 2) / (6 - 2))  # the open call verifies nothing
+    assert g.tau_ci95 == (3.0, 5.0)  # bootstrap over the two answers: their own taus (9/3, 5/1) bound it
     assert g.calls_per_token == pytest.approx(6 / 16)
     # decoding phase: verify-call bytes over the 9 + 5 tokens the verify calls produced
     assert (g.bytes_up_per_token, g.bytes_down_per_token) == pytest.approx((140 / 14, 80.0))
@@ -100,6 +101,7 @@ def test_aggregate_pools_answers_per_group_and_over_categories():
     assert g.itl_p50_ms == pytest.approx(50.0) and g.itl_p99_ms == pytest.approx(295.0)
     only_writing = groups[GroupKey("split", "moa", "4g", "writing")]
     assert only_writing.tau == pytest.approx(3.0) and only_writing.answers == 1
+    assert all(math.isnan(x) for x in only_writing.tau_ci95)  # one answer: no interval
     assert math.isnan(aggregate([record("local", "generate()", None)])[GroupKey("local", "generate()", None, ALL)]
                       .server_share)
 
@@ -146,6 +148,7 @@ def test_markdown_has_the_seed_table_shape_and_the_goals():
     assert all(line.count("|") - 1 == 9 for line in body)
     assert "| moa | 40.0 | 7.00 | 0.25 | 2.50x | 20.0 | 7.00 | 0.25 | 2.50x |" in table
     assert "### Single-device reference" in md and "| generate() | 16.0 |" in md
+    assert "| method | tokens/s | tau | tau 95% CI | calls/token |" in md
     assert "- moa split tokens/s vs remote AR (4g): goal >= 1.5x, measured 2.50x -> met" in md
     assert "| moa;quant=int8 | server | int8 | 50 | 250 | 0.0 | 1.0 |" in md
     assert "#### 4g: tokens/s by category" in md
