@@ -31,6 +31,9 @@ Definitions (every figure pools an aggregate's answers, so long answers weigh mo
     ITL p50/p99      quantiles (linear interpolation) of all per-token gaps
     server share     sum(server_ms) / sum(elapsed_s): the fraction of the client's wall time the
                      target spent computing (in single-device mode: the in-process target)
+    paired           `paired_comparisons`: each drafter against the first drafter of its mode and
+                     profile on the prompts both answered, with bootstrap intervals that keep each
+                     prompt's two answers together (shared/records.py `paired_interval`)
 """
 from __future__ import annotations
 
@@ -42,7 +45,8 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from splitspec.shared.drafters.spec import DrafterSpec
-from splitspec.shared.records import AnswerRecord, accept_length, accept_length_interval
+from splitspec.shared.records import (AnswerRecord, accept_length, accept_length_interval, paired_interval,
+                                      speed_ratio, tau_difference)
 
 ALL = "all"  # the category of an aggregate over every category
 BASELINE = "generate()"  # single-device autoregressive decoding (transformers generate)
@@ -320,3 +324,48 @@ def feature_bytes(records: Iterable[BenchRecord], profile: str | None) -> list[t
     options = {r.method: (r.lsa or "-", r.quant) for r in chosen}
     groups = aggregate(chosen)
     return [(m, lsa, quant, groups[GroupKey("split", m, profile, ALL)]) for m, (lsa, quant) in options.items()]
+
+
+@dataclass(frozen=True)
+class PairedComparison:
+    """`method` against `base` (same mode and profile) on the `prompts` both answered: tau(method) -
+    tau(base) and tokens/s(method) / tokens/s(base), each with its paired 95% bootstrap interval."""
+
+    mode: str
+    profile: str | None
+    base: str
+    method: str
+    prompts: int
+    tau_difference: float
+    tau_difference_ci95: tuple[float, float]
+    speed_ratio: float
+    speed_ratio_ci95: tuple[float, float]
+
+
+def paired_comparisons(records: Iterable[BenchRecord]) -> list[PairedComparison]:
+    """Per (mode, profile), paired by (category, id): each variant of a drafter kind against the
+    first method of that kind in the run (`moa;tree=3x2x6` or `moa:DIR` against `moa`: a sweep, or
+    a new checkpoint beside the shipped one), and the first of each other kind against the run's
+    first drafter. generate() and `none`, which draft nothing, are not compared."""
+    arms: dict[tuple[str, str | None], dict[str, dict[tuple[str, str], AnswerRecord]]] = defaultdict(dict)
+    for r in records:
+        if r.method not in (BASELINE, REMOTE_AR):
+            arms[(r.mode, r.profile)].setdefault(r.method, {})[(r.category, r.id)] = r.answer
+    out = []
+    for (mode, profile), by_method in arms.items():
+        first_of_kind: dict[str, str] = {}
+        for method in by_method:
+            first_of_kind.setdefault(drafter_kind(method), method)
+        run_first = next(iter(by_method))
+        for method in by_method:
+            base = first_of_kind[drafter_kind(method)]
+            base = run_first if base == method else base
+            if base == method:
+                continue
+            prompts = [p for p in by_method[base] if p in by_method[method]]
+            a = [by_method[base][p] for p in prompts]
+            b = [by_method[method][p] for p in prompts]
+            out.append(PairedComparison(mode, profile, base, method, len(prompts), tau_difference(a, b),
+                                        paired_interval(a, b, tau_difference), speed_ratio(a, b),
+                                        paired_interval(a, b, speed_ratio)))
+    return out

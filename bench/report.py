@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .metrics import (ALL, BASELINE, REMOTE_AR, BenchRecord, GroupKey, GroupStats, aggregate, feature_bytes, goals,
-                      speedup, vs_remote_ar, vs_single_device_ar)
+                      paired_comparisons, speedup, vs_remote_ar, vs_single_device_ar)
 
 PLOTS = ("tokens_per_s.png", "calls_per_token.png", "itl_p99.png")
 CALLS_GOAL = 0.3  # server calls per generated token, the issue's MoA goal
@@ -42,7 +42,7 @@ def render_markdown(records: list[BenchRecord], meta: dict, cfg=None) -> str:
     profiles = _profiles(records)
     sections = [_header(records, meta, cfg), client_server_table(groups, profiles),
                 *[detail_table(groups, p) for p in profiles], detail_table(groups, None),
-                category_tables(groups, profiles), goal_section(groups, records, cfg.goal_profile if cfg else "4g",
+                category_tables(groups, profiles), paired_section(records), goal_section(groups, records, cfg.goal_profile if cfg else "4g",
                                                                 meta.get("target", ""),
                                                                 meta.get("decoding", "greedy"))]
     return "\n\n".join(s for s in sections if s)
@@ -66,9 +66,9 @@ def _fmt(value: float, spec: str = ".2f", suffix: str = "") -> str:
     return "-" if value is None or math.isnan(value) else f"{value:{spec}}{suffix}"
 
 
-def _interval(bounds: tuple[float, float]) -> str:
+def _interval(bounds: tuple[float, float], spec: str = ".2f", suffix: str = "") -> str:
     low, high = bounds
-    return "-" if math.isnan(low) or math.isnan(high) else f"{low:.2f}-{high:.2f}"
+    return "-" if math.isnan(low) or math.isnan(high) else f"{low:{spec}}{suffix} to {high:{spec}}{suffix}"
 
 
 def _header(records: list[BenchRecord], meta: dict, cfg) -> str:
@@ -139,6 +139,25 @@ def detail_table(groups: dict[GroupKey, GroupStats], profile: str | None) -> str
                      f"{_fmt(g.itl_p50_ms, '.1f')} | {_fmt(g.itl_p99_ms, '.1f')} | {_fmt(g.ttft_p50_ms, '.0f')} | "
                      f"{_fmt(g.server_share, '.0%')} | {_fmt(speedup(groups, k, vs_remote_ar(k)), '.2f', 'x')} | "
                      f"{_fmt(speedup(groups, k, vs_single_device_ar(k)), '.2f', 'x')} | {_exact(g)} |")
+    return "\n".join(lines)
+
+
+def paired_section(records: list[BenchRecord]) -> str:
+    """Side-by-side arms compared prompt by prompt (bench/metrics.py `paired_comparisons`): what a
+    run can tell apart."""
+    rows = paired_comparisons(records)
+    if not rows:
+        return ""
+    lines = ["### Paired by prompt: variants against the first of their kind, kinds against the first drafter", "",
+             "Differences over the prompts both arms answered; 95% intervals from a bootstrap that keeps "
+             "each prompt's two answers together (an interval that excludes 0 for tau, or 1 for tokens/s, "
+             "is a difference these prompts resolve).", "",
+             "| mode | profile | method | against | prompts | tau difference | 95% CI | tokens/s ratio | 95% CI |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for c in rows:
+        lines.append(f"| {c.mode} | {c.profile or '-'} | {c.method} | {c.base} | {c.prompts} | "
+                     f"{_fmt(c.tau_difference, '+.2f')} | {_interval(c.tau_difference_ci95, '+.2f')} | "
+                     f"{_fmt(c.speed_ratio, '.2f', 'x')} | {_interval(c.speed_ratio_ci95, '.2f', 'x')} |")
     return "\n".join(lines)
 
 

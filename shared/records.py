@@ -1,5 +1,6 @@
-"""`AnswerRecord`: one answer's counts, `accept_length`, the one tau estimator, and
-`accept_length_interval`, how far that estimate moves with the answers it was measured on.
+"""`AnswerRecord`: one answer's counts, `accept_length`, the one tau estimator,
+`accept_length_interval`, how far that estimate moves with the answers it was measured on, and
+`paired_interval`, the same for a comparison of two arms that answered the same prompts.
 
 The loop (client/loop.py `GenerationStats.record`), the benchmarks (bench/metrics.py) and the
 trainer's held-out evaluation report tau through `accept_length`, so that every table and card
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable, Sequence
 
 
 @dataclass(frozen=True)
@@ -97,3 +98,50 @@ def accept_length_interval(records: Iterable[AnswerRecord], level: float = 0.95,
     tail = (1.0 - level) / 2 * 100
     low, high = np.percentile(ratios, [tail, 100 - tail])
     return float(low), float(high)
+
+
+def paired_interval(base: Sequence[AnswerRecord], other: Sequence[AnswerRecord],
+                    statistic: Callable[[list[AnswerRecord], list[AnswerRecord]], float], level: float = 0.95,
+                    resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of `statistic(base, other)` with the prompts drawn jointly:
+    base[i] and other[i] answer the same prompt, and each resample keeps those pairs together.
+    Two arms run side by side on the same prompts share each prompt's difficulty, so the interval of
+    their difference (e.g. `tau_difference`) is far narrower than the two arms' own intervals
+    suggest; this is the interval that says whether one arm beats the other on these prompts.
+
+    Returns:
+        (low, high); (NaN, NaN) with fewer than two pairs or where no resample gives a finite value.
+    Raises:
+        ValueError: `base` and `other` of different lengths, `level` outside (0, 1), `resamples` < 1.
+    """
+    import numpy as np
+
+    if len(base) != len(other):
+        raise ValueError(f"paired answers: {len(base)} against {len(other)}")
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must lie in (0, 1), got {level}")
+    if resamples < 1:
+        raise ValueError(f"resamples must be >= 1, got {resamples}")
+    if len(base) < 2:
+        return math.nan, math.nan
+    draws = np.random.default_rng(seed).integers(0, len(base), size=(resamples, len(base)))
+    values = np.array([statistic([base[i] for i in row], [other[i] for i in row]) for row in draws.tolist()])
+    values = values[np.isfinite(values)]
+    if not len(values):
+        return math.nan, math.nan
+    tail = (1.0 - level) / 2 * 100
+    low, high = np.percentile(values, [tail, 100 - tail])
+    return float(low), float(high)
+
+
+def tau_difference(base: Sequence[AnswerRecord], other: Sequence[AnswerRecord]) -> float:
+    """accept_length(other) - accept_length(base)."""
+    return accept_length(other) - accept_length(base)
+
+
+def speed_ratio(base: Sequence[AnswerRecord], other: Sequence[AnswerRecord]) -> float:
+    """Pooled tokens/s of `other` over that of `base` (tokens and wall time summed over answers)."""
+    base_s, other_s = sum(r.elapsed_s for r in base), sum(r.elapsed_s for r in other)
+    if base_s <= 0 or other_s <= 0:
+        return math.nan
+    return (sum(r.new_tokens for r in other) / other_s) / (sum(r.new_tokens for r in base) / base_s)

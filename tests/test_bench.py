@@ -12,8 +12,8 @@ import torch
 from splitspec.bench.bench import ArrivalClock, BenchConfig, decoding_text, open_link
 from splitspec.shared.config import TreeConfig
 from splitspec.shared.drafters.spec import DrafterSpec
-from splitspec.bench.metrics import (ALL, BenchRecord, GroupKey, aggregate, feature_bytes, goals, quantile, speedup,
-                                            token_gaps_ms, vs_remote_ar, vs_single_device_ar)
+from splitspec.bench.metrics import (ALL, BenchRecord, GroupKey, aggregate, feature_bytes, goals, paired_comparisons,
+                                     quantile, speedup, token_gaps_ms, vs_remote_ar, vs_single_device_ar)
 from splitspec.bench.report import PLOTS, client_server_table, render_markdown, write_plots
 from splitspec.cli.main import build_parser, main
 from splitspec.shared.reference import target_sampled
@@ -133,6 +133,29 @@ def test_feature_bytes_one_row_per_quantization():
     assert [(m, lsa, quant, g.bytes_up_per_token, g.bytes_down_per_token, g.open_kib_down) for m, lsa, quant, g in rows] \
         == [("eagle2", "-", "fp16", 50.0, 1000.0, 2.0), ("moa", "server", "fp16", 50.0, 500.0, 2.0),
             ("moa;quant=int8", "server", "int8", 50.0, 250.0, 1.0)]
+
+
+def test_paired_comparisons_pair_variants_with_their_kind_and_kinds_with_the_first_drafter():
+    """generate() and none are left out; moa;tree=... and moa:DIR go against moa, eagle2 against
+    moa (the run's first drafter); only prompts both arms answered count."""
+    rows = []
+    for category, hard in (("writing", 0), ("math", 6), ("qa", 12)):
+        rows += [record("local", "generate()", None, category, tokens=25, calls=25),
+                 record("local", "moa", None, category, tokens=25, calls=9 + hard // 2, elapsed=1.0),
+                 record("local", "moa;tree=3x2x6", None, category, tokens=25, calls=7 + hard // 2, elapsed=1.0),
+                 record("local", "eagle2", None, category, tokens=25, calls=9 + hard // 2, elapsed=0.5)]
+    rows.append(record("local", "moa:out/x", None, "writing", tokens=25, calls=5))  # one prompt only
+    got = {(c.method, c.base): c for c in paired_comparisons(rows)}
+    assert set(got) == {("moa;tree=3x2x6", "moa"), ("eagle2", "moa"), ("moa:out/x", "moa")}
+    tree = got[("moa;tree=3x2x6", "moa")]
+    assert tree.prompts == 3 and tree.tau_difference > 0 and tree.tau_difference_ci95[0] > 0  # 2 calls fewer on each
+    eagle = got[("eagle2", "moa")]
+    assert eagle.tau_difference == 0 and eagle.tau_difference_ci95 == (0.0, 0.0)
+    assert eagle.speed_ratio == pytest.approx(2.0) and eagle.speed_ratio_ci95 == (pytest.approx(2.0), pytest.approx(2.0))
+    one = got[("moa:out/x", "moa")]
+    assert one.prompts == 1 and all(math.isnan(x) for x in one.tau_difference_ci95)
+    md = render_markdown(rows, META)
+    assert "| local | - | moa;tree=3x2x6 | moa | 3 |" in md and "| local | - | moa:out/x | moa | 1 |" in md
 
 
 # --- report --------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from splitspec.shared.records import AnswerRecord, accept_length, accept_length_interval
+from splitspec.shared.records import (AnswerRecord, accept_length, accept_length_interval, paired_interval,
+                                      speed_ratio, tau_difference)
 
 
 def answer(verify_tokens: int, verify_calls: int) -> AnswerRecord:
@@ -49,3 +50,33 @@ def test_interval_needs_two_answers_with_verify_calls():
         accept_length_interval([answer(12, 4)] * 3, level=1.0)
     with pytest.raises(ValueError, match="resamples"):
         accept_length_interval([answer(12, 4)] * 3, resamples=0)
+
+
+def test_paired_interval_sees_a_steady_gain_that_the_arms_own_intervals_hide():
+    """Eight prompts from easy to hard (tau 1.5 to 5): the other arm gains 0.2 on every one. Each
+    arm's own interval spans most of that range, yet paired by prompt the difference is 0.2 in every
+    resample."""
+    base = [answer(10 * k // 2, 10) for k in range(3, 11)]  # tau 1.5, 2, ..., 5
+    other = [answer(10 * k // 2 + 2, 10) for k in range(3, 11)]
+    assert tau_difference(base, other) == pytest.approx(0.2)
+    low, high = paired_interval(base, other, tau_difference)
+    assert low == pytest.approx(0.2) and high == pytest.approx(0.2)
+    assert accept_length_interval(other)[0] < accept_length_interval(base)[1]  # the arms' own intervals overlap
+
+
+def test_paired_interval_keeps_pairs_together_and_refuses_unpaired_input():
+    base = [answer(20, 10), answer(20, 10), answer(20, 10)]
+    other = [answer(40, 10), answer(10, 10), answer(30, 10)]  # +2, -1, +1 tokens per call
+    low, high = paired_interval(base, other, tau_difference)
+    assert low == pytest.approx(-1.0) and high == pytest.approx(2.0)  # a resample of one prompt thrice
+    assert all(math.isnan(x) for x in paired_interval(base[:1], other[:1], tau_difference))
+    with pytest.raises(ValueError, match="paired"):
+        paired_interval(base, other[:2], tau_difference)
+
+
+def test_speed_ratio_pools_tokens_and_time():
+    base = [AnswerRecord(10, 5, 1.0), AnswerRecord(30, 10, 3.0)]  # 10 tokens/s
+    other = [AnswerRecord(10, 3, 0.5), AnswerRecord(30, 6, 1.5)]  # 20 tokens/s
+    assert speed_ratio(base, other) == pytest.approx(2.0)
+    assert paired_interval(base, other, speed_ratio) == (pytest.approx(2.0), pytest.approx(2.0))
+    assert math.isnan(speed_ratio(base, [AnswerRecord(10, 3, 0.0)]))
