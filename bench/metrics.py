@@ -31,9 +31,10 @@ Definitions (every figure pools an aggregate's answers, so long answers weigh mo
     ITL p50/p99      quantiles (linear interpolation) of all per-token gaps
     server share     sum(server_ms) / sum(elapsed_s): the fraction of the client's wall time the
                      target spent computing (in single-device mode: the in-process target)
-    paired           `paired_comparisons`: each drafter against the first drafter of its mode and
-                     profile on the prompts both answered, with bootstrap intervals that keep each
-                     prompt's two answers together (shared/records.py `paired_interval`)
+    paired           `paired_comparisons`, per mode and profile on the prompts both arms answered:
+                     each variant of a drafter kind against the first method of that kind, the first
+                     of every other kind against the first drafter; bootstrap intervals that keep
+                     each prompt's two answers together (shared/records.py `paired_interval`)
 """
 from __future__ import annotations
 

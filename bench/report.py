@@ -18,8 +18,9 @@ PLOTS = ("tokens_per_s.png", "calls_per_token.png", "itl_p99.png")
 CALLS_GOAL = 0.3  # server calls per generated token, the issue's MoA goal
 DEFINITIONS = (
     "Definitions: tokens/s = generated tokens / client wall time (prefill included); tau = tokens per verify "
-    "call (accepted + bonus); tau 95% CI = percentile bootstrap over the answers (shared/records.py); calls/token = server calls (open + verify) per generated token; bytes/token = "
-    "serialized protobuf bytes per token in the decoding phase (verify calls), each way; open KiB = the open "
+    "call (accepted + bonus); tau 95% CI = percentile bootstrap over the answers (shared/records.py); "
+    "calls/token = server calls (open + verify) per generated token; bytes/token = serialized protobuf bytes "
+    "per token in the decoding phase (verify calls), each way; open KiB = the open "
     "call's reply (first token and the prompt's features); ITL = gap between consecutive tokens' arrival at "
     "the client (the tokens of one commit arrive together, so gaps inside a commit are 0 and p99 is the wait "
     "for the next commit); TTFT = time to the first token; server share = server-reported time (queue + "

@@ -81,23 +81,16 @@ def accept_length_interval(records: Iterable[AnswerRecord], level: float = 0.95,
     """
     import numpy as np
 
-    if not 0.0 < level < 1.0:
-        raise ValueError(f"level must lie in (0, 1), got {level}")
-    if resamples < 1:
-        raise ValueError(f"resamples must be >= 1, got {resamples}")
+    _check_bootstrap(level, resamples)
     records = list(records)
     tokens = np.array([r.new_tokens - 1 for r in records], dtype=np.float64)
     calls = np.array([r.target_calls - 1 for r in records], dtype=np.float64)
     if int((calls > 0).sum()) < 2:
         return math.nan, math.nan
-    draws = np.random.default_rng(seed).integers(0, len(records), size=(resamples, len(records)))
-    drawn_calls = calls[draws].sum(axis=1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        ratios = tokens[draws].sum(axis=1) / drawn_calls
-    ratios = ratios[drawn_calls > 0]
-    tail = (1.0 - level) / 2 * 100
-    low, high = np.percentile(ratios, [tail, 100 - tail])
-    return float(low), float(high)
+    draws = _draws(len(records), resamples, seed)
+    with np.errstate(invalid="ignore", divide="ignore"):  # a resample without verify calls: NaN, left out
+        ratios = tokens[draws].sum(axis=1) / calls[draws].sum(axis=1)
+    return _central(ratios, level)
 
 
 def paired_interval(base: Sequence[AnswerRecord], other: Sequence[AnswerRecord],
@@ -114,18 +107,34 @@ def paired_interval(base: Sequence[AnswerRecord], other: Sequence[AnswerRecord],
     Raises:
         ValueError: `base` and `other` of different lengths, `level` outside (0, 1), `resamples` < 1.
     """
-    import numpy as np
-
     if len(base) != len(other):
         raise ValueError(f"paired answers: {len(base)} against {len(other)}")
+    _check_bootstrap(level, resamples)
+    if len(base) < 2:
+        return math.nan, math.nan
+    draws = _draws(len(base), resamples, seed).tolist()
+    return _central([statistic([base[i] for i in row], [other[i] for i in row]) for row in draws], level)
+
+
+def _check_bootstrap(level: float, resamples: int) -> None:
     if not 0.0 < level < 1.0:
         raise ValueError(f"level must lie in (0, 1), got {level}")
     if resamples < 1:
         raise ValueError(f"resamples must be >= 1, got {resamples}")
-    if len(base) < 2:
-        return math.nan, math.nan
-    draws = np.random.default_rng(seed).integers(0, len(base), size=(resamples, len(base)))
-    values = np.array([statistic([base[i] for i in row], [other[i] for i in row]) for row in draws.tolist()])
+
+
+def _draws(n: int, resamples: int, seed: int):
+    """[resamples, n] indices drawn with replacement (numpy), seeded."""
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+
+
+def _central(values, level: float) -> tuple[float, float]:
+    """The central `level` share of the finite `values` (percentiles); (NaN, NaN) if none is finite."""
+    import numpy as np
+
+    values = np.asarray(values, dtype=np.float64)
     values = values[np.isfinite(values)]
     if not len(values):
         return math.nan, math.nan
