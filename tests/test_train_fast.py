@@ -168,7 +168,7 @@ def test_eval_only_measures_the_init_checkpoints_and_writes_nothing(stories_path
         assert abs(got["heldout_loss"] - want["heldout_loss"]) < abs(scratch[name]["heldout_loss"]
                                                                      - want["heldout_loss"]) / 4
         assert got["tau"] >= 1.0 and ("memory_gain" in got) == (name == "moa-tli0")
-        assert got["eval_prompts"] == 2  # as many as there are held-out conversations
+        assert got["tau_prompts"] == got["heldout"] == 2  # as many as there are held-out conversations
         low, high = got["tau_ci95"]  # the bootstrap over those two answers holds the pooled tau
         assert 1.0 <= low <= got["tau"] <= high
         low, high = want["tau_ci95"]  # the run's card states its interval
@@ -419,16 +419,72 @@ def test_several_distilled_files_are_pooled(tmp_path, monkeypatch):
     import splitspec.train.data as data
     import splitspec.train.trainer as trainer
 
-    header = json.dumps({"splitspec_distill": 1}) + "\n"
+    header = json.dumps({"splitspec_distill": 1, "heldout": 1, "seed": 0}) + "\n"
     for name, ids in (("a", [5] * 10), ("b", [7] * 12)):
         (tmp_path / f"{name}.jsonl").write_text(
             header + json.dumps({"index": 0, "prompt_ids": ids[:4], "answer_ids": ids[4:]}) + "\n")
-    monkeypatch.setattr(data, "iter_sharegpt", lambda: iter([[{"role": "user", "content": "hi"}]] * 3))
+    monkeypatch.setattr(data, "iter_sharegpt", lambda: iter([[{"role": "user", "content": f"hi {i}"}]
+                                                              for i in range(3)]))
     cfg = TrainConfig(drafter="moa", target="t", out=tmp_path, heldout=1, max_tokens=10**6,
                       data=f"{tmp_path / 'a.jsonl'},{tmp_path / 'b.jsonl'}")
     examples, held = trainer.load_examples(cfg, tokenizer=None)
     assert sorted(e.input_ids for e in examples) == [[5] * 10, [7] * 12] and len(held) == 1
     assert all(e.loss_mask[:4] == [0] * 4 and set(e.loss_mask[4:]) == {1} for e in examples)
+
+
+def test_heldout_prompts_that_start_a_training_conversation_are_not_evaluated():
+    """A drawn conversation whose first turn (whitespace aside) also starts another conversation is
+    left out of training but not evaluated: the other one is training data (or drawn too), so the
+    drafter may have seen the target answer that very prompt. Which conversations are drawn does
+    not change with the rule, so the training set is the one distilled files were made from."""
+    from splitspec.train.data import first_turn_key, split_heldout
+
+    convs = [[{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]
+             for i in range(30)]
+    convs += [[{"role": "user", "content": f"  question\n{i} "}, {"role": "assistant", "content": f"other {i}"}]
+              for i in range(10)]  # ShareGPT-style repeats of the first ten prompts
+    train, held = split_heldout(convs, 20, seed=3)
+    drawn = [c for c in convs if c not in train]
+    assert len(drawn) == 20 and len(train) == 20
+    repeated = {first_turn_key(c) for c in convs[30:]}
+    assert held == [c for c in drawn if first_turn_key(c) not in repeated]
+    assert 0 < len(held) < 20  # some drawn ones were repeats, some were not
+    unique = [[{"role": "user", "content": f"q {i}"}] for i in range(40)]
+    assert len(split_heldout(unique, 20, seed=3)[1]) == 20
+
+
+def test_distilled_data_must_leave_out_the_runs_heldout_split(tmp_path, monkeypatch):
+    """A distill-data file answers every conversation but the held-out ones of its own split; a run
+    that holds out others (another --split-seed, or more of them) could be measured on prompts it
+    trained on, so it is refused, whatever --seed (data order) says."""
+    import splitspec.train.data as data
+    import splitspec.train.trainer as trainer
+
+    convs = [[{"role": "user", "content": f"question {i}"}] for i in range(12)]
+    monkeypatch.setattr(data, "iter_sharegpt", lambda: iter(convs))
+    record = json.dumps({"index": 0, "prompt_ids": [3] * 4, "answer_ids": [4] * 6}) + "\n"
+
+    def data_file(name, header):
+        path = tmp_path / name
+        path.write_text(json.dumps({"splitspec_distill": 1, **header}) + "\n" + record)
+        return str(path)
+
+    made = data_file("split0.jsonl", {"heldout": 3, "seed": 0})
+    for heldout, seed in ((3, 0), (2, 7)):  # same split (or a subset of it), any data order: accepted
+        cfg = TrainConfig(drafter="moa", target="t", out=tmp_path, heldout=heldout, seed=seed, max_tokens=10**6,
+                          data=made)
+        examples, held = trainer.load_examples(cfg, tokenizer=None)
+        assert len(examples) == 1 and held == data.split_heldout(convs, heldout, 0)[1]
+    assert set(map(str, data.split_heldout(convs, 2, 0)[1])) <= set(map(str, data.split_heldout(convs, 3, 0)[1]))
+    for heldout, split_seed in ((3, 1), (4, 0)):
+        cfg = TrainConfig(drafter="moa", target="t", out=tmp_path, heldout=heldout, split_seed=split_seed,
+                          max_tokens=10**6, data=made)
+        with pytest.raises(ValueError, match="--split-seed 0 and --heldout <= 3"):
+            trainer.load_examples(cfg, tokenizer=None)
+    cfg = TrainConfig(drafter="moa", target="t", out=tmp_path, heldout=3, max_tokens=10**6,
+                      data=data_file("bare.jsonl", {}))
+    with pytest.raises(ValueError, match="does not say which conversations"):
+        trainer.load_examples(cfg, tokenizer=None)
 
 
 def test_data_entries_take_record_ranges(tmp_path, monkeypatch):
@@ -438,7 +494,7 @@ def test_data_entries_take_record_ranges(tmp_path, monkeypatch):
     import splitspec.train.trainer as trainer
 
     path = tmp_path / "f.jsonl"
-    path.write_text(json.dumps({"splitspec_distill": 1}) + "\n" + "".join(
+    path.write_text(json.dumps({"splitspec_distill": 1, "heldout": 1, "seed": 0}) + "\n" + "".join(
         json.dumps({"index": i, "prompt_ids": [10 + i] * 4, "answer_ids": [20 + i] * 6}) + "\n" for i in range(5)))
     monkeypatch.setattr(data, "iter_sharegpt", lambda: iter([[{"role": "user", "content": "hi"}]] * 3))
     cfg = TrainConfig(drafter="moa", target="t", out=tmp_path, heldout=1, max_tokens=10**6,

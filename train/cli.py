@@ -50,7 +50,10 @@ def _add_recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="matmul dtype (bfloat16 = autocast; weights, loss and optimizer stay fp32); auto = bfloat16 "
                         "where it is measured faster on this machine (AMX-BF16 CPUs, GPUs), else float32")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="initialisation, data order and chunk draws")
+    p.add_argument("--split-seed", type=int, default=0,
+                   help="which ShareGPT conversations are held out; distill-data files must have left out the "
+                        "same ones (their --seed), so keep it at the files' seed whatever --seed is")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--init", default="",
                    help="start from trained weights: a checkpoint folder, or a folder of <drafter name>/ checkpoints "
@@ -69,9 +72,8 @@ def _config(args, out: Path, **extra):
     return TrainConfig(drafter=args.drafter, target=args.target, out=out, tli=args.tli, max_len=args.max_len,
                        batch=args.batch, lr=args.lr, chunk_min=args.chunk[0], chunk_max=args.chunk[1],
                        staircase=args.staircase, tli_norm=not args.no_tli_norm, kl_weight=args.kl_weight,
-                       train_vocab=args.train_vocab,
-                       dtype=args.dtype, seed=args.seed, device=args.device, data=args.data, init=args.init,
-                       skip_tokens=args.skip_tokens, **extra)
+                       train_vocab=args.train_vocab, dtype=args.dtype, seed=args.seed, split_seed=args.split_seed,
+                       device=args.device, data=args.data, init=args.init, skip_tokens=args.skip_tokens, **extra)
 
 
 def _add_train_parser(sub) -> None:
@@ -165,7 +167,8 @@ def _add_distill_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the drafters' main use)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--heldout", type=int, default=16, help="held-out conversations left out (as in `train`)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="the held-out split's seed (train's --split-seed) and the sampling seed")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.set_defaults(func=cmd_distill)

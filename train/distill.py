@@ -43,7 +43,7 @@ class DistillConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     heldout: int = 16
-    seed: int = 0
+    seed: int = 0  # the held-out split's seed (train's --split-seed) and the sampling seed
     dtype: str = "float32"
     device: str = "cpu"
     turns: str = "first"  # first | later (see the module docstring)
@@ -185,6 +185,35 @@ def parse_data_entry(entry: str) -> tuple[str, slice]:
         raise ValueError(f"--data entry {entry!r}: a record range is [START:END], e.g. {path}[2320:]")
     start, end = (int(b) if b else None for b in bounds)
     return path, slice(start, end)
+
+
+def read_header(path: str | Path) -> dict:
+    """The settings line (first line) of a distill-data file or of its gzip copy."""
+    path = Path(path)
+    with (gzip.open(path, "rt") if path.suffix == ".gz" else path.open()) as f:
+        return json.loads(f.readline())
+
+
+def check_heldout(path: str | Path, heldout: int, split_seed: int) -> None:
+    """Refuse a distill-data file that may answer prompts of a training run's held-out split.
+
+    `split_heldout` holds out the first `heldout` conversations of an order drawn from the seed, so
+    a run's held-out conversations were left out of the file when it was distilled with the same
+    seed and at least as many held out. Any other file can hold answers to the very prompts the
+    run measures its held-out figures on.
+
+    Raises:
+        ValueError: the header names another split seed, fewer held-out conversations, or no split.
+    """
+    header = read_header(path)
+    if "heldout" not in header or "seed" not in header:
+        raise ValueError(f"{path}: its header does not say which conversations it held out; make it again "
+                         f"with `splitspec distill-data`")
+    if header["seed"] != split_seed or header["heldout"] < heldout:
+        raise ValueError(f"{path} left out the {header['heldout']} held-out conversations of split seed "
+                         f"{header['seed']}, but this run holds out {heldout} of split seed {split_seed}: "
+                         f"its answers may include them. Train with --split-seed {header['seed']} and "
+                         f"--heldout <= {header['heldout']}")
 
 
 def load_distilled(path: str | Path, max_len: int, records: slice = slice(None)) -> list[Example]:

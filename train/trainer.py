@@ -124,7 +124,9 @@ class TrainConfig:
     time_schedule: bool = False  # lr decay and staircase follow max_minutes too (whichever is further along)
     profile_steps: int = 0  # profile this many steps (after the first) into <out>/profile.txt (train/step_profile.py)
     cudnn_attention: bool = False  # CUDA: let SDPA pick cuDNN's attention (host-bound here: `attention_backends`)
-    seed: int = 0
+    seed: int = 0  # initialisation, data order, chunk draws
+    split_seed: int = 0  # which ShareGPT conversations are held out (`sharegpt_split`); apart from `seed` so
+    # that runs of any seed hold out the conversations the distilled data left out (`check_heldout`)
     device: str = "cpu"
     resume: bool = False
     data: str = "sharegpt"  # sharegpt | distill-data JSONL files, comma-separated
@@ -164,13 +166,20 @@ class TrainConfig:
 def load_examples(cfg: TrainConfig, tokenizer) -> tuple[list[Example], list[list[dict]]]:
     """Training examples up to the token budget, and held-out ShareGPT conversations
     (deterministic). With distilled data (`cfg.data` a distill-data file) the examples are the
-    target's own answers; the held-out conversations stay ShareGPT's."""
-    train_convs, held = sharegpt_split(cfg.heldout, cfg.seed, cfg.conversations)
+    target's own answers; the held-out conversations stay ShareGPT's.
+
+    Raises:
+        ValueError: a distill-data file that may hold answers to this run's held-out conversations
+            (`check_heldout`).
+    """
+    train_convs, held = sharegpt_split(cfg.heldout, cfg.split_seed, cfg.conversations)
     rng = random.Random(cfg.seed)
     if cfg.conversations is None and cfg.data != "sharegpt":
-        from .distill import load_distilled, parse_data_entry
+        from .distill import check_heldout, load_distilled, parse_data_entry
 
         entries = [parse_data_entry(entry) for entry in cfg.data.split(",")]
+        for path in dict.fromkeys(path for path, _ in entries):
+            check_heldout(path, cfg.heldout, cfg.split_seed)
         candidates = [ex for path, records in entries for ex in load_distilled(path, cfg.max_len, records)]
         rng.shuffle(candidates)
     else:
@@ -203,7 +212,7 @@ def cached_examples(cfg: TrainConfig, tokenizer) -> tuple[list[Example], list[li
     if cfg.conversations is not None:
         return load_examples(cfg, tokenizer)
     key = {"data": cfg.data, "max_tokens": cfg.max_tokens, "skip_tokens": cfg.skip_tokens, "max_len": cfg.max_len,
-           "seed": cfg.seed,
+           "seed": cfg.seed, "split_seed": cfg.split_seed,
            "heldout": cfg.heldout, "tokenizer": getattr(tokenizer, "name_or_path", ""),
            "vocab_size": len(tokenizer)}
     path = cfg.out / EXAMPLES
@@ -416,7 +425,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
         for t in trainees:
             t.eval_parts.restrict_vocab(vocab)
     if cfg.eval_only:  # no training examples to build (or cache)
-        held = sharegpt_split(cfg.heldout, cfg.seed, cfg.conversations)[1]
+        held = sharegpt_split(cfg.heldout, cfg.split_seed, cfg.conversations)[1]
     else:
         examples, held = cached_examples(cfg, tokenizer)
         if not examples:
@@ -424,7 +433,6 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
     held_examples = [e for e in (tokenize_conversation(tokenizer, c, HELDOUT_MAX_LEN) for c in held) if e]
     if cfg.eval_only:
         return {t.job.name: {"init": t.init_from, "tokens_total": t.init_tokens,
-                             "eval_prompts": min(cfg.eval_prompts, len(held)),
                              **evaluate(cfg, _on_cpu(t.drafter, cfg), t.eval_parts, eval_model, tokenizer, held,
                                         held_examples, t.job)}
                 for t in trainees}
@@ -628,8 +636,8 @@ def evaluate(cfg: TrainConfig, drafter, parts, target_model, tokenizer, held, he
             shuffled += m_shuffled["top1"] * m["rows"]
     tau, interval = measure_tau(cfg, drafter, parts, target_model, tokenizer, held[: cfg.eval_prompts], job)
     drafter.train()
-    record = {"heldout_loss": losses / max(1, rows), "heldout_top1": top1 / max(1, rows), "tau": tau,
-              "tau_ci95": list(interval)}
+    record = {"heldout": len(held), "heldout_loss": losses / max(1, rows), "heldout_top1": top1 / max(1, rows),
+              "tau": tau, "tau_ci95": list(interval), "tau_prompts": min(cfg.eval_prompts, len(held))}
     if job.kind == "moa":
         record["memory_gain"] = (top1 - shuffled) / max(1, rows)
     return record
@@ -727,18 +735,20 @@ def model_card(cfg: TrainConfig, t: Trainee, identity: TargetIdentity, state: di
            if job.kind == "moa" and job.tli else "") + moa_notes,
         f"- hardware: {hardware}, {cfg.dtype} matmuls; {state['elapsed_s'] / 60:.1f} min for the run "
         f"(drafters trained together: {drafters})",
-        f"- held-out ({cfg.heldout} conversations): loss {record['heldout_loss']:.4f}, top-1 agreement "
+        f"- held-out ({record.get('heldout', cfg.heldout)} conversations, split seed {cfg.split_seed}): loss "
+        f"{record['heldout_loss']:.4f}, top-1 agreement "
         f"{record['heldout_top1']:.3f}{gain}; greedy single-device accept length tau {record['tau']:.2f}"
         f"{_interval_text(record)} (EAGLE-2 tree depth {EVAL_TREE.depth}, top-{EVAL_TREE.top_b}, {EVAL_TREE.max_nodes} nodes"
         + (f", draft vocabulary {state['train_vocab']}" if state.get("train_vocab") else "")
-        + f"; {cfg.eval_prompts} prompts x {cfg.eval_new_tokens} tokens)", "",
+        + f"; {record.get('tau_prompts', cfg.eval_prompts)} prompts x {cfg.eval_new_tokens} tokens)", "",
         f"Reproduce: `splitspec train --drafter {drafters} --target {cfg.target} --data {cfg.data} "
         f"--max-tokens {cfg.max_tokens} --epochs {cfg.epochs} --max-len {cfg.max_len} --batch {cfg.batch} "
         f"--lr {cfg.lr} --chunk {cfg.chunk_min}-{cfg.chunk_max} --staircase {cfg.staircase}"
         f"{'' if cfg.tli_norm else ' --no-tli-norm'}"
         f"{f' --kl-weight {cfg.kl_weight:g}' if cfg.kl_weight != KL_WEIGHT else ''}"
         f" --train-vocab {cfg.train_vocab} --dtype {cfg.dtype} "
-        f"--seed {cfg.seed}" + (f" --init {cfg.init}" if cfg.init else "")
+        f"--seed {cfg.seed}" + (f" --split-seed {cfg.split_seed}" if cfg.split_seed else "")
+        + (f" --init {cfg.init}" if cfg.init else "")
         + (f" --skip-tokens {cfg.skip_tokens}" if cfg.skip_tokens else "")
         + (f" --device {cfg.device}" if cfg.device != "cpu" else "")
         + (f" --max-minutes {cfg.max_minutes:g}" if cfg.max_minutes else "")  # where the clock stopped the run
