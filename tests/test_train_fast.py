@@ -153,7 +153,8 @@ def test_kl_weight_reaches_the_training_step(stories_path, tmp_path):
 def test_eval_only_measures_the_init_checkpoints_and_writes_nothing(stories_path, tmp_path):
     """--eval-only gives each --init checkpoint the held-out figures its run ended with (within the
     bf16 rounding of the stored weights), trains nothing and writes nothing, and says how many
-    prompts its tau used; a drafter without a checkpoint is refused."""
+    prompts its tau used; a drafter without a checkpoint is refused. With --against it measures a
+    second set of checkpoints on the same prompts and pairs the differences by prompt."""
     last = train(_small(stories_path, tmp_path / "run", eval_prompts=2), progress=False)
     before = {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*")}
     records = train(_small(stories_path, tmp_path / "none", init=str(tmp_path / "run"), eval_only=True,
@@ -178,6 +179,29 @@ def test_eval_only_measures_the_init_checkpoints_and_writes_nothing(stories_path
     with pytest.raises(ValueError, match="no checkpoint to evaluate"):
         train(_small(stories_path, tmp_path / "x", init=str(tmp_path / "run"), drafter="moa,falcon",
                      eval_only=True), progress=False)
+    # --against: other checkpoints on the same prompts, the differences paired by prompt
+    pair = train(_small(stories_path, tmp_path / "none", init=str(tmp_path / "run"), eval_only=True, eval_prompts=5,
+                        against=str(tmp_path / "scratch")), progress=False)
+    for name in ("moa-tli0", "eagle2"):
+        got, base = pair[name], pair[name]["against"]
+        assert base["init"] == str(tmp_path / "scratch" / name) and base["tokens_total"] == scratch[name]["tokens"]
+        assert got["tau"] == records[name]["tau"] and got["tau_answers"] == records[name]["tau_answers"]
+        assert len(got["tau_answers"]) == len(base["tau_answers"]) == 2
+        paired = got["paired"]
+        assert paired["tau_difference"] == pytest.approx(got["tau"] - base["tau"])
+        assert paired["loss_difference"] == pytest.approx(got["heldout_loss"] - base["heldout_loss"])
+        assert paired["loss_difference"] < 0  # the trained checkpoint against one step from scratch
+        low, high = paired["tau_difference_ci95"]
+        assert low <= paired["tau_difference"] <= high
+    same = train(_small(stories_path, tmp_path / "none", init=str(tmp_path / "run"), eval_only=True, eval_prompts=5,
+                        against=str(tmp_path / "run")), progress=False)
+    assert all(r["paired"] == {"tau_difference": 0.0, "tau_difference_ci95": [0.0, 0.0], "top1_difference": 0.0,
+                               "loss_difference": 0.0} for r in same.values())
+    with pytest.raises(ValueError, match="no checkpoint to compare with"):
+        train(_small(stories_path, tmp_path / "x", init=str(tmp_path / "run"), eval_only=True,
+                     against=str(tmp_path / "empty")), progress=False)
+    with pytest.raises(ValueError, match="needs eval_only"):
+        _small(stories_path, tmp_path / "x", against=str(tmp_path / "run"))
 
 
 def test_heldout_figures_do_not_depend_on_the_training_max_len(stories_path, tmp_path, monkeypatch):

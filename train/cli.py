@@ -104,6 +104,9 @@ def _add_train_parser(sub) -> None:
     p.add_argument("--eval-only", action="store_true",
                    help="measure the --init checkpoints on the held-out split (loss, top-1, memory gain, tau over "
                         "--eval-prompts prompts, at most --heldout) and print the records; trains and writes nothing")
+    p.add_argument("--against", default="",
+                   help="with --eval-only: measure these checkpoints too (the forms --init takes) on the same prompts "
+                        "and add the differences, paired by prompt: tau (with its 95%% bootstrap interval), top-1, loss")
     p.set_defaults(func=cmd_train)
 
 
@@ -115,7 +118,8 @@ def train_config(args):
                    eval_every=args.eval_every, max_minutes=args.max_minutes, resume=args.resume,
                    time_schedule=args.time_schedule, profile_steps=args.profile_steps, heldout=args.heldout,
                    cudnn_attention=args.cudnn_attention,
-                   eval_prompts=args.eval_prompts, eval_new_tokens=args.eval_new_tokens, eval_only=args.eval_only)
+                   eval_prompts=args.eval_prompts, eval_new_tokens=args.eval_new_tokens, eval_only=args.eval_only,
+                   against=args.against)
 
 
 def cmd_train(args) -> None:

@@ -24,7 +24,7 @@ import logging
 import math
 import random
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -37,6 +37,8 @@ from splitspec.shared.drafters.tokenswift import TokenSwiftConfig, TokenSwiftHea
 from splitspec.shared.drafters.moa import LSA_POOLS, MoAConfig, MoADrafter
 from splitspec.shared.drafters.target_parts import TargetParts
 from splitspec.shared.models import fastest_dtype
+from splitspec.shared.records import (AnswerRecord, accept_length, accept_length_interval, paired_interval,
+                                      tau_difference)
 
 from .batched import (Batch, LossOptions, TargetBatch, batch_chunk_starts, bucketed_order, eagle_loss_batch,
                       falcon_loss_batch, make_batch, moa_loss_batch, run_target_batch, tli_scale,
@@ -133,11 +135,14 @@ class TrainConfig:
     init: str = ""  # trained weights: a checkpoint folder or one of <drafter name>/ folders, plus NAME=PATH entries
     skip_tokens: int = 0  # skip this many tokens of the shuffled data first (data an --init run already saw)
     eval_only: bool = False  # measure the --init weights on the held-out split; train nothing, write nothing
+    against: str = ""  # eval_only: checkpoints (the forms of `init`) to measure too and compare paired by prompt
     conversations: list | None = field(default=None, repr=False)  # tests pass their own data
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":
             self.dtype = fastest_dtype(self.device)
+        if self.against and not self.eval_only:
+            raise ValueError("against (a comparison of checkpoints) needs eval_only")
         if self.profile_steps < 0:
             raise ValueError(f"profile_steps must be >= 0, got {self.profile_steps}")
         if self.dtype not in ("bfloat16", "float32"):
@@ -389,11 +394,13 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
 
     With `cfg.eval_only` nothing is trained or written: each drafter's `--init` weights are measured
     on the held-out split (the same conversations and figures as a run's evaluations; `eval_prompts`
-    sets how many prompts the tau measurement uses) and those records are returned.
+    sets how many prompts the tau measurement uses) and those records are returned; with
+    `cfg.against` the checkpoints it names are measured too, on the same prompts, and each record
+    gains `against` (theirs) and `paired` (`paired_heldout`: this one's figures minus theirs).
 
     Raises:
         ValueError: bad drafter list, no usable training data, or `eval_only` for a drafter that
-            `init` gives no checkpoint.
+            `init` (or `against`) gives no checkpoint.
         CheckpointTooLarge: a drafter over the checkpoint size limit (before any training).
     """
     from tqdm import tqdm
@@ -432,10 +439,25 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
             raise ValueError("no training examples (empty data or every conversation too short)")
     held_examples = [e for e in (tokenize_conversation(tokenizer, c, HELDOUT_MAX_LEN) for c in held) if e]
     if cfg.eval_only:
-        return {t.job.name: {"init": t.init_from, "tokens_total": t.init_tokens,
-                             **evaluate(cfg, _on_cpu(t.drafter, cfg), t.eval_parts, eval_model, tokenizer, held,
-                                        held_examples, t.job)}
-                for t in trainees}
+        records = {t.job.name: {"init": t.init_from, "tokens_total": t.init_tokens,
+                                **evaluate(cfg, _on_cpu(t.drafter, cfg), t.eval_parts, eval_model, tokenizer, held,
+                                           held_examples, t.job)}
+                   for t in trainees}
+        if cfg.against:
+            base_cfg = replace(cfg, init=cfg.against)
+            identity = TargetIdentity.of(eval_model, tokenizer, model_id)
+            for t in trainees:
+                torch.manual_seed(cfg.seed)
+                drafter = build_drafter(t.job, eval_model.config).to(cfg.device).train()
+                base_from, base_tokens, _ = initialise(base_cfg, t.job, drafter, identity)
+                if not base_from:
+                    raise ValueError(f"--against: {cfg.against} gives {t.job.name} no checkpoint to compare with")
+                base = {"init": base_from, "tokens_total": base_tokens,
+                        **evaluate(cfg, _on_cpu(drafter, cfg), t.eval_parts, eval_model, tokenizer, held,
+                                   held_examples, t.job)}
+                records[t.job.name] = {**records[t.job.name], "against": base,
+                                       "paired": paired_heldout(base, records[t.job.name])}
+        return records
     lengths = [len(e.input_ids) for e in examples]
     steps_per_epoch = len(bucketed_order(lengths, cfg.batch, cfg.seed))
     total_steps = steps_per_epoch * cfg.epochs
@@ -493,7 +515,8 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
                         t.history.append(record)
                         _save_checkpoint(cfg, t, identity, state, record)
                         bar.write(json.dumps({"drafter": t.job.name, **{k: round(v, 4) if isinstance(v, float) else v
-                                                                         for k, v in record.items() if k != "train"}}))
+                                                                         for k, v in record.items()
+                                                                         if k not in ("train", "tau_answers")}}))
                     state["elapsed_s"] = start_s + clock.elapsed()  # evaluation time counts against the budget
                     _save_state(cfg, state, trainees)
         finally:
@@ -634,21 +657,23 @@ def evaluate(cfg: TrainConfig, drafter, parts, target_model, tokenizer, held, he
             probe.rng.setstate(state)  # same chunks, memory shuffled
             _, m_shuffled = trainee_loss(fp32, probe, target, opts, parts, shuffle=torch.Generator().manual_seed(i))
             shuffled += m_shuffled["top1"] * m["rows"]
-    tau, interval = measure_tau(cfg, drafter, parts, target_model, tokenizer, held[: cfg.eval_prompts], job)
+    answers = measure_tau(cfg, drafter, parts, target_model, tokenizer, held[: cfg.eval_prompts], job)
+    tau, interval = accept_length(answers), accept_length_interval(answers)
     drafter.train()
     record = {"heldout": len(held), "heldout_loss": losses / max(1, rows), "heldout_top1": top1 / max(1, rows),
-              "tau": tau, "tau_ci95": list(interval), "tau_prompts": min(cfg.eval_prompts, len(held))}
+              "tau": tau, "tau_ci95": list(interval), "tau_prompts": min(cfg.eval_prompts, len(held)),
+              "tau_answers": [[a.new_tokens, a.target_calls] for a in answers]}
     if job.kind == "moa":
         record["memory_gain"] = (top1 - shuffled) / max(1, rows)
     return record
 
 
 def measure_tau(cfg, drafter, parts, target_model, tokenizer, conversations, job: DrafterJob | None = None
-                ) -> tuple[float, tuple[float, float]]:
-    """Accept length tau of greedy single-device speculative decoding on the first user turns,
-    pooled over the answers (`splitspec.shared.records.accept_length`, as the benchmarks report it),
-    and its 95% bootstrap interval over those answers (`accept_length_interval`; NaN for fewer
-    than two), which says how far the held-out prompts let two checkpoints' tau be told apart."""
+                ) -> list[AnswerRecord]:
+    """Greedy single-device speculative decoding of the first user turns, one `AnswerRecord` per
+    conversation (in order): the counts `accept_length` pools into tau, as the benchmarks report it,
+    and `accept_length_interval` bootstraps over answers, which says how far the held-out prompts
+    let two checkpoints' tau be told apart (`paired_heldout` pairs them by prompt)."""
     from splitspec.client.drafters.eagle import EagleRuntime
     from splitspec.client.drafters.falcon import FalconRuntime
     from splitspec.client.drafters.moa import MoARuntime
@@ -657,8 +682,6 @@ def measure_tau(cfg, drafter, parts, target_model, tokenizer, conversations, job
     from splitspec.server.local import LocalVerifier
     from splitspec.server.runner import TargetRunner
     from splitspec.shared.models import encode_chat
-    from splitspec.shared.records import accept_length, accept_length_interval
-
     job = job or cfg.jobs()[0]
     runtime = {"moa": MoARuntime, "eagle2": EagleRuntime, "falcon": FalconRuntime,
                "tokenswift": TokenSwiftRuntime}[job.kind](drafter, parts, EVAL_TREE)
@@ -667,7 +690,22 @@ def measure_tau(cfg, drafter, parts, target_model, tokenizer, conversations, job
     for conv in conversations:
         prompt = encode_chat(tokenizer, [conv[0]])[-HELDOUT_MAX_LEN:]
         records.append(decoder.generate(prompt, cfg.eval_new_tokens).stats.record())
-    return accept_length(records), accept_length_interval(records)
+    return records
+
+
+def paired_heldout(base: dict, other: dict) -> dict:
+    """`other` against `base`, two `evaluate` records of the same held-out prompts: tau difference
+    with its 95% bootstrap interval over prompts drawn jointly (`paired_interval`, as the bench's
+    paired comparisons), and the differences of top-1 agreement and loss (over the same positions).
+
+    Raises:
+        ValueError: records of different prompt counts (not the same held-out prompts).
+    """
+    a, b = ([AnswerRecord(new, calls, 0.0) for new, calls in r["tau_answers"]] for r in (base, other))
+    low, high = paired_interval(a, b, tau_difference)
+    return {"tau_difference": tau_difference(a, b), "tau_difference_ci95": [low, high],
+            "top1_difference": other["heldout_top1"] - base["heldout_top1"],
+            "loss_difference": other["heldout_loss"] - base["heldout_loss"]}
 
 
 def _interval_text(record: dict) -> str:
