@@ -109,12 +109,12 @@ def _story_conversations(model, tokenizer, n: int, seed: int):
     rng = random.Random(seed)
     starts = ["Once upon a time", "Tom was", "The sun", "Lily and Ben", "One day", "A little bird", "The cat"]
     convs = []
-    for _ in range(n):
+    for i in range(n):  # numbered: a held-out prompt that repeats a training one is not evaluated
         start = rng.choice(starts)
         ids = tokenizer(start)["input_ids"]
         out = model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=True, top_k=20,
                              pad_token_id=0)[0].tolist()
-        convs.append([{"role": "user", "content": f"Tell a story that starts with: {start}"},
+        convs.append([{"role": "user", "content": f"Story {i}: tell a story that starts with: {start}"},
                       {"role": "assistant", "content": tokenizer.decode(out, skip_special_tokens=True)}])
     return convs
 
