@@ -140,7 +140,7 @@ def distill_data(cfg: DistillConfig, conversations: list | None = None) -> dict:
     header = cfg.header(model_id)
     done = _done(cfg.out)
     if done or cfg.out.exists() and cfg.out.stat().st_size:
-        first = json.loads(cfg.out.read_text().splitlines()[0])
+        first = read_header(cfg.out)
         first.setdefault("turns", "first")  # files written before `turns` existed
         first.setdefault("min_prompt_len", 0)  # or before `min_prompt_len`
         if first != header:

@@ -415,13 +415,10 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
     if (cfg.dtype != "float32" or cfg.device != "cpu") and not cfg.eval_only:
         train_model = load_model(cfg.target, device=cfg.device, dtype=cfg.dtype)[0]
     vocab = _vocab_ids(cfg, tokenizer)
+    identity = TargetIdentity.of(eval_model, tokenizer, model_id)
     trainees = []
     for job in cfg.jobs():
-        torch.manual_seed(cfg.seed)  # each drafter starts as it would alone
-        drafter = build_drafter(job, eval_model.config).to(cfg.device).train()
-        check_size(drafter)
-        init_from, init_tokens, init_kind = initialise(cfg, job, drafter,
-                                                       TargetIdentity.of(eval_model, tokenizer, model_id))
+        drafter, init_from, init_tokens, init_kind = _init_drafter(cfg, job, eval_model.config, identity)
         if cfg.eval_only and not init_from:
             raise ValueError(f"--eval-only: --init gives {job.name} no checkpoint to evaluate")
         optimizer = torch.optim.AdamW(param_groups(drafter), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -445,11 +442,8 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
                    for t in trainees}
         if cfg.against:
             base_cfg = replace(cfg, init=cfg.against)
-            identity = TargetIdentity.of(eval_model, tokenizer, model_id)
             for t in trainees:
-                torch.manual_seed(cfg.seed)
-                drafter = build_drafter(t.job, eval_model.config).to(cfg.device).train()
-                base_from, base_tokens, _ = initialise(base_cfg, t.job, drafter, identity)
+                drafter, base_from, base_tokens, _ = _init_drafter(base_cfg, t.job, eval_model.config, identity)
                 if not base_from:
                     raise ValueError(f"--against: {cfg.against} gives {t.job.name} no checkpoint to compare with")
                 base = {"init": base_from, "tokens_total": base_tokens,
@@ -470,7 +464,6 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
             t.load(saved["trainees"][t.job.name])
         log.info("resumed at step %d", state["step"])
     state["epoch_tokens"] = sum(lengths)  # what one epoch holds; --max-tokens is only its cap
-    identity = TargetIdentity.of(eval_model, tokenizer, model_id)
     clock, start_s = RunClock().install(), state["elapsed_s"]  # a pause with SIGTSTP does not count
     layer_inputs = _layer_inputs(trainees)
     bar = tqdm(total=total_steps, initial=state["step"], disable=not progress, desc="train " + cfg.drafter)
@@ -528,6 +521,16 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
         log.warning("stopped on request at step %d of %d; checkpoints and state saved, --resume continues",
                     state["step"], total_steps)
     return {t.job.name: (t.history[-1] if t.history else {}) for t in trainees}
+
+
+def _init_drafter(cfg: TrainConfig, job: DrafterJob, target_config, identity: "TargetIdentity"
+                  ) -> tuple[torch.nn.Module, str, int, str]:
+    """A new drafter for `job` (seeded, so each starts as it would alone), checked against the size
+    limit and loaded from `cfg.init` where it names a checkpoint: (drafter, *`initialise`)."""
+    torch.manual_seed(cfg.seed)
+    drafter = build_drafter(job, target_config).to(cfg.device).train()
+    check_size(drafter)
+    return (drafter, *initialise(cfg, job, drafter, identity))
 
 
 def initialise(cfg: TrainConfig, job: DrafterJob, drafter: torch.nn.Module,
