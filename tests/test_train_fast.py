@@ -75,6 +75,44 @@ def test_fast_path_equals_reference(stories, examples, job):
     assert abs(bf16.item() - ref.item()) <= 0.03 * ref.item()
 
 
+@pytest.mark.parametrize("job", [DrafterJob("moa"), DrafterJob("moa", 1), DrafterJob("eagle2")], ids=str)
+def test_micro_batches_accumulate_the_whole_batchs_gradient(stories, job, monkeypatch):
+    """fp32: a batch of 4 scored as micro-batches of 1 and 2 gives the gradients (after clipping)
+    and metrics of the batch scored whole; padding to a shorter length changes only rounding."""
+    import splitspec.train.trainer as trainer
+
+    monkeypatch.setattr(trainer, "EAGLE_NOISE", 0.0)  # its draws follow the batch's shape
+    model, tokenizer, _ = stories
+    chosen = [tokenize_conversation(tokenizer, c, 128) for c in _conversations(4, 3)]
+    assert len({len(e.input_ids) for e in chosen}) == 4
+    cfg = TrainConfig(drafter=job.name, target="x", out=None, dtype="float32", batch=4, chunk_min=1, chunk_max=4,
+                      staircase=0.0)
+    layers = (TargetParts(model, job.tli).first_tli_layer,) if job.tli else ()
+
+    def step(size: int):
+        torch.manual_seed(0)
+        drafter = build_drafter(job, model.config)
+        t = trainer.Trainee(job, drafter, TargetParts(model, job.tli), TargetParts(model, job.tli),
+                            torch.optim.SGD(drafter.parameters(), lr=0.0), random.Random(1), torch.Generator(), None)
+        if job.tli:
+            t.scale = torch.ones(model.config.hidden_size)  # else fixed from the first (micro-)batch
+        s = trainer.AccumulatedStep(cfg, t, 0, 10, whole=size == len(chosen))
+        for m in range(0, len(chosen), size):
+            s.add(run_target_batch(model, make_batch(chosen[m: m + size]), layers), None)
+        return s.finish(), [p.grad.clone() for p in drafter.parameters()]
+
+    whole, g_whole = step(4)
+    for size in (1, 2):
+        metrics, grads = step(size)
+        assert metrics["rows"] == whole["rows"]
+        for key in ("loss", "top1", "kl"):
+            assert metrics[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), key
+        for a, b in zip(grads, g_whole):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+    with pytest.raises(ValueError, match="micro_batch must divide"):
+        TrainConfig(drafter="moa", target="x", out=None, batch=4, micro_batch=3)
+
+
 def test_time_schedule_follows_the_clock_where_it_is_further_along():
     from splitspec.train.trainer import schedule_step
 

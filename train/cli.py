@@ -34,6 +34,9 @@ def _add_recipe_args(p: argparse.ArgumentParser) -> None:
                         "data/smollm2-answers.jsonl[2320:] for the records after the first 2,320")
     p.add_argument("--max-len", type=int, default=512)
     p.add_argument("--batch", type=int, default=8, help="conversations per optimizer step")
+    p.add_argument("--micro-batch", type=int, default=0,
+                   help="conversations per target forward, gradients accumulated over a --batch (must divide it; "
+                        "0 = the whole batch at once): a large batch in the memory of a small one")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--chunk", type=_chunk, default=(1, 4),
                    help="MoA chunk lengths MIN-MAX: drafting distances 0 .. MAX-1 from the last verified token")
@@ -70,7 +73,8 @@ def _config(args, out: Path, **extra):
     from splitspec.train.trainer import TrainConfig
 
     return TrainConfig(drafter=args.drafter, target=args.target, out=out, tli=args.tli, max_len=args.max_len,
-                       batch=args.batch, lr=args.lr, chunk_min=args.chunk[0], chunk_max=args.chunk[1],
+                       batch=args.batch, micro_batch=args.micro_batch, lr=args.lr, chunk_min=args.chunk[0],
+                       chunk_max=args.chunk[1],
                        staircase=args.staircase, tli_norm=not args.no_tli_norm, kl_weight=args.kl_weight,
                        train_vocab=args.train_vocab, dtype=args.dtype, seed=args.seed, split_seed=args.split_seed,
                        device=args.device, data=args.data, init=args.init, skip_tokens=args.skip_tokens, **extra)

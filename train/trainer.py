@@ -108,6 +108,7 @@ class TrainConfig:
     epochs: int = 1
     max_len: int = 512
     batch: int = 8  # conversations per optimizer step
+    micro_batch: int = 0  # conversations per target forward; gradients accumulate over them (0 = the whole batch)
     lr: float = 5e-4
     warmup_steps: int = 20
     heldout: int = 16  # held-out conversations
@@ -143,6 +144,8 @@ class TrainConfig:
             self.dtype = fastest_dtype(self.device)
         if self.against and not self.eval_only:
             raise ValueError("against (a comparison of checkpoints) needs eval_only")
+        if self.micro_batch < 0 or (self.micro_batch and self.batch % self.micro_batch):
+            raise ValueError(f"micro_batch must divide batch ({self.batch}), got {self.micro_batch}")
         if self.profile_steps < 0:
             raise ValueError(f"profile_steps must be >= 0, got {self.profile_steps}")
         if self.dtype not in ("bfloat16", "float32"):
@@ -483,13 +486,20 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
             while state["step"] < total_steps and not stopping:
                 step = state["step"]
                 order = bucketed_order(lengths, cfg.batch, cfg.seed + step // steps_per_epoch)
-                batch = make_batch([examples[i] for i in order[step % steps_per_epoch]], cfg.device)
-                with _autocast(cfg):
-                    target = run_target_batch(train_model, batch, layer_inputs, vocab)
+                chosen = [examples[i] for i in order[step % steps_per_epoch]]
                 at = schedule_step(cfg, step, total_steps, start_s + clock.elapsed())
-                metrics = {t.job.name: _train_step(cfg, t, target, vocab, at, total_steps) for t in trainees}
+                size = cfg.micro_batch or len(chosen)
+                steps = [AccumulatedStep(cfg, t, at, total_steps, whole=size >= len(chosen)) for t in trainees]
+                for m in range(0, len(chosen), size):
+                    batch = make_batch(chosen[m: m + size], cfg.device)
+                    with _autocast(cfg):
+                        target = run_target_batch(train_model, batch, layer_inputs, vocab)
+                    for s in steps:
+                        s.add(target, vocab)
+                    state["tokens"] += batch.tokens
+                    del target
+                metrics = {s.t.job.name: s.finish() for s in steps}
                 state["step"] += 1
-                state["tokens"] += batch.tokens
                 if profiler is not None:
                     profiler.step()
                 bar.update(1)
@@ -621,21 +631,50 @@ def _on_cpu(drafter: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
     return drafter if cfg.device == "cpu" else copy.deepcopy(drafter).cpu()
 
 
-def _train_step(cfg: TrainConfig, t: Trainee, target: TargetBatch, vocab, step: int, total: int) -> dict:
-    if t.job.kind == "moa" and t.job.tli and cfg.tli_norm and t.scale is None:
-        t.scale = tli_scale(target, t.parts.first_tli_layer)
-    opts = LossOptions(vocab=vocab, tli_scale=t.scale if cfg.tli_norm else None,
-                       sa_window=sa_window(cfg, step, total), eagle_noise=EAGLE_NOISE, falcon_glance=FALCON_GLANCE,
-                       kl_weight=cfg.kl_weight)
-    for group in t.optimizer.param_groups:
-        group["lr"] = _lr_at(step, cfg, total) * group.get("lr_scale", 1.0)
-    t.optimizer.zero_grad(set_to_none=True)
-    with _autocast(cfg):
-        loss, metrics = trainee_loss(cfg, t, target, opts, t.parts)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(t.drafter.parameters(), 1.0)
-    t.optimizer.step()
-    return {"loss": loss.item(), **metrics}
+class AccumulatedStep:
+    """One optimizer step of one drafter over a batch scored in micro-batches.
+
+    Each micro-batch's loss is a mean over its rows (the positions that carry loss); its gradient
+    is accumulated weighted by those rows and divided by the batch's rows at the end, so the step
+    equals one over the whole batch (up to padding, which changes only rounding; tested), and so
+    do the metrics (row-weighted means). Clipping and the optimizer step follow the last micro-batch.
+    With `whole` (the batch in one forward) the loss is back-propagated as it is, as before micro-batches.
+    """
+
+    def __init__(self, cfg: TrainConfig, t: Trainee, step: int, total: int, whole: bool = False):
+        self.cfg, self.t, self.step, self.total, self.whole = cfg, t, step, total, whole
+        self.rows, self.sums = 0, {}
+        for group in t.optimizer.param_groups:
+            group["lr"] = _lr_at(step, cfg, total) * group.get("lr_scale", 1.0)
+        t.optimizer.zero_grad(set_to_none=True)
+
+    def add(self, target: TargetBatch, vocab) -> None:
+        cfg, t = self.cfg, self.t
+        if t.job.kind == "moa" and t.job.tli and cfg.tli_norm and t.scale is None:
+            t.scale = tli_scale(target, t.parts.first_tli_layer)  # from the run's first micro-batch
+        opts = LossOptions(vocab=vocab, tli_scale=t.scale if cfg.tli_norm else None,
+                           sa_window=sa_window(cfg, self.step, self.total), eagle_noise=EAGLE_NOISE,
+                           falcon_glance=FALCON_GLANCE, kl_weight=cfg.kl_weight)
+        with _autocast(cfg):
+            loss, metrics = trainee_loss(cfg, t, target, opts, t.parts)
+        rows = int(metrics["rows"])
+        (loss if self.whole else loss * rows).backward()
+        self.rows += rows
+        self.sums["loss"] = self.sums.get("loss", 0.0) + loss.item() * rows
+        for k, v in metrics.items():
+            if k != "rows":
+                self.sums[k] = self.sums.get(k, 0.0) + v * rows
+
+    def finish(self) -> dict:
+        """Take the optimizer step; returns the batch's row-weighted metrics."""
+        t, n = self.t, max(self.rows, 1)
+        if not self.whole:
+            for p in t.drafter.parameters():
+                if p.grad is not None:
+                    p.grad.div_(n)
+        torch.nn.utils.clip_grad_norm_(t.drafter.parameters(), 1.0)
+        t.optimizer.step()
+        return {**{k: v / n for k, v in self.sums.items()}, "rows": self.rows}
 
 
 @torch.no_grad()
@@ -758,7 +797,8 @@ def model_card(cfg: TrainConfig, t: Trainee, identity: TargetIdentity, state: di
         f"- trainable parameters: {params / 1e6:.2f} M (stored in bf16); the target's embedding, LM head, "
         "final norm and TLI layers are loaded from the target, not stored here",
         f"- data: {data}",
-        f"- budget: {state['tokens']:,} training tokens ({state['step']} optimizer steps of {cfg.batch} conversations, "
+        f"- budget: {state['tokens']:,} training tokens ({state['step']} optimizer steps of {cfg.batch} conversations"
+        + (f" in micro-batches of {cfg.micro_batch}" if cfg.micro_batch and cfg.micro_batch < cfg.batch else "") + ", "
         f"sequences <= {cfg.max_len} tokens; {cfg.epochs} epoch{'s' if cfg.epochs > 1 else ''} of "
         f"{state['epoch_tokens']:,} tokens (cap {cfg.max_tokens:,})), AdamW lr {cfg.lr} "
         f"(warm-up {cfg.warmup_steps} steps, cosine), seed {cfg.seed}"
@@ -784,6 +824,7 @@ def model_card(cfg: TrainConfig, t: Trainee, identity: TargetIdentity, state: di
         + f"; {record.get('tau_prompts', cfg.eval_prompts)} prompts x {cfg.eval_new_tokens} tokens)", "",
         f"Reproduce: `splitspec train --drafter {drafters} --target {cfg.target} --data {cfg.data} "
         f"--max-tokens {cfg.max_tokens} --epochs {cfg.epochs} --max-len {cfg.max_len} --batch {cfg.batch} "
+        + (f"--micro-batch {cfg.micro_batch} " if cfg.micro_batch else "") +
         f"--lr {cfg.lr} --chunk {cfg.chunk_min}-{cfg.chunk_max} --staircase {cfg.staircase}"
         f"{'' if cfg.tli_norm else ' --no-tli-norm'}"
         f"{f' --kl-weight {cfg.kl_weight:g}' if cfg.kl_weight != KL_WEIGHT else ''}"
