@@ -707,3 +707,19 @@ def test_learned_lsa_pooling_starts_as_the_mean_and_learns_faster(stories, stori
     assert [g["lr_scale"] for g in groups] == [1.0, LSA_POOL_LR_SCALE]
     assert groups[1]["lr"] == pytest.approx(LSA_POOL_LR_SCALE * groups[0]["lr"])
     assert saved["drafter"]["lsa_layer_logits"].abs().max() > 0
+
+
+def test_draft_vocab_counts_leave_out_the_split_seeds_heldout_conversations(stories, stories_path, tmp_path):
+    from splitspec.train.data import sharegpt_split
+    from splitspec.train.vocab import make_counts
+
+    _, tokenizer, _ = stories
+    convs = _conversations(30, 7)
+    for split_seed in (0, 4):
+        result = make_counts(str(stories_path), tmp_path / f"counts{split_seed}.safetensors", heldout=5,
+                             split_seed=split_seed, progress=False, conversations=convs)
+        kept, held = sharegpt_split(5, split_seed, convs)
+        answer_tokens = lambda cs: sum(sum(tokenize_conversation(tokenizer, c, 2048).loss_mask)  # noqa: E731
+                                       for c in cs)
+        assert (result["tokens"], result["heldout_tokens"]) == (answer_tokens(kept), answer_tokens(held))
+    assert sharegpt_split(5, 0, convs)[1] != sharegpt_split(5, 4, convs)[1]

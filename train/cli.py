@@ -199,6 +199,8 @@ def _add_draft_vocab_parser(sub) -> None:
     p.add_argument("--data", default="sharegpt", choices=["sharegpt"])
     p.add_argument("--max-len", type=int, default=2048, help="tokens counted per conversation")
     p.add_argument("--limit", type=int, default=None, help="count only this many training conversations")
+    p.add_argument("--heldout", type=int, default=16, help="held-out conversations left out of the counts (as train's)")
+    p.add_argument("--split-seed", type=int, default=0, help="which conversations are held out (as train's)")
     p.add_argument("--out", default=None, help="default: client/checkpoints/<target>/token_counts.safetensors")
     p.set_defaults(func=cmd_draft_vocab)
 
@@ -209,7 +211,8 @@ def cmd_draft_vocab(args) -> None:
     from splitspec.train.vocab import make_counts
 
     out = Path(args.out) if args.out else target_folder(args.target) / COUNTS
-    result = make_counts(args.target, out, max_len=args.max_len, limit=args.limit)
+    result = make_counts(args.target, out, heldout=args.heldout, split_seed=args.split_seed,
+                         max_len=args.max_len, limit=args.limit)
     print(json.dumps({"out": str(out), **result}))
 
 

