@@ -211,7 +211,7 @@ def test_eval_only_measures_the_init_checkpoints_and_writes_nothing(stories_path
         low, high = got["tau_ci95"]  # the bootstrap over those two answers holds the pooled tau
         assert 1.0 <= low <= got["tau"] <= high
         low, high = want["tau_ci95"]  # the run's card states its interval
-        assert f"tau {want['tau']:.2f} (95% interval {low:.2f}-{high:.2f} over the prompts)" in \
+        assert f"tau {want['tau']:.2f} (95% interval {low:.2f} to {high:.2f} over the prompts)" in \
             (tmp_path / "run" / name / "card.md").read_text()
         assert "interval" not in (tmp_path / "scratch" / name / "card.md").read_text()  # one prompt: none
     with pytest.raises(ValueError, match="no checkpoint to evaluate"):

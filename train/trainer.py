@@ -751,10 +751,10 @@ def paired_heldout(base: dict, other: dict) -> dict:
 
 
 def _interval_text(record: dict) -> str:
-    """' (95% interval 2.31-2.74 over the prompts)' from an evaluation record; '' where it has none
+    """' (95% interval 2.31 to 2.74 over the prompts)' from an evaluation record; '' where it has none
     (records written before intervals were kept, or fewer than two prompts)."""
     low, high = record.get("tau_ci95") or (math.nan, math.nan)
-    return "" if math.isnan(low) or math.isnan(high) else f" (95% interval {low:.2f}-{high:.2f} over the prompts)"
+    return "" if math.isnan(low) or math.isnan(high) else f" (95% interval {low:.2f} to {high:.2f} over the prompts)"
 
 
 def _hardware(cfg: TrainConfig) -> str:
