@@ -10,12 +10,17 @@ Measured online, per answer and carried across answers of one decoder:
   r-th ranked child of its parent, among the times a parent on the path offered an r-th child.
 
 Cost model (EAGLE-2's dynamic tree, Li et al. 2024, §4, with the expected-length argument of
-Leviathan et al. 2023, §3.5 extended to trees): with q_k(B) the chance that one of the top-B children
-at depth k is accepted, a tree of depth D, top-B and N nodes yields
+Leviathan et al. 2023, §3.5 extended to trees): with a_k(r) the chance that the rank-r child at
+depth k is accepted once the path reached its parent, a node's chance of being on the accepted path
+is the product of a_k(r_k) along its path, and a tree yields the sum of those chances over its
+nodes, plus the bonus token. The planner builds each shape as EAGLE-2 does, with these chances
+standing in for the drafter's joint probabilities: the root's top-B children, then at each depth the
+B best frontier nodes expanded into B children each, and of all nodes created the N best kept, so
 
-    E[tokens] = 1 + G + sum_{d=1..D} prod_{k=1..d} q_k(min(B, max(1, N // D)))
+    E[tokens] = 1 + G + sum over the N kept nodes v of prod_{k on the path to v} a_k(r_k)
 
-per call (the bonus token included) and costs draft(D) + link + verify(N + 1 + X) milliseconds, X the
+per call (until session 31 it assumed every depth of a D-deep tree held N // D nodes, which
+overrated deep trees: reranking keeps most nodes near the root) and costs draft(D) + link + verify(N + 1 + X) milliseconds, X the
 rows a step's tree carries beyond the N it was asked for (a merged prompt-lookup chain's own nodes,
 client/drafters/ngram.py `PromptLookupMerge`; an EWMA of what the verified trees held) and G the
 tokens those rows got accepted (an EWMA too). The q_k are learnt from the drafter's own nodes only:
@@ -116,6 +121,27 @@ def lookup_tokens(tree: DraftTree, accepted: Sequence[int], drafted: int | None)
     return gained
 
 
+def node_chances(rates: np.ndarray, depth: int, top_b: int) -> np.ndarray:
+    """The nodes of an EAGLE-2 tree of `depth` levels and `top_b` children per expanded node, built
+    with acceptance chances as scores (module docstring), as each node's chance of lying on the
+    accepted path, best first: the first N are the N nodes that tree keeps (a child's chance never
+    exceeds its parent's, so they form a tree).
+
+    rates: [MAX_DEPTH, MAX_RANK] `TreePlanner.accept_rates`; at a depth whose top-B rates sum past 1
+    (priors, few observations) they are scaled to sum to 1 (at most one sibling is accepted).
+    Returns: [n] chances, n = top_b + (depth - 1) * top_b ** 2 at most.
+    """
+    width = min(top_b, MAX_RANK)
+    chances, level = [], np.ones(1)
+    for d in range(min(depth, MAX_DEPTH)):
+        row = rates[d, :width]
+        row = row / max(float(row.sum()), 1.0)
+        frontier = np.sort(level)[::-1][:top_b]  # the B best frontier nodes are expanded
+        level = (frontier[:, None] * row[None, :]).ravel()
+        chances.append(level)
+    return np.sort(np.concatenate(chances))[::-1]
+
+
 class _LinearFit:
     """y = a + b x by least squares over a window, with the slope shrunk toward `slope_prior(a)`."""
 
@@ -202,12 +228,7 @@ class TreePlanner:
         if tree is None:
             return 1.0
         rates = self.accept_rates() if rates is None else rates
-        width = min(tree.top_b, max(1, tree.max_nodes // tree.depth), MAX_RANK)
-        expected, reach = 1.0 + self.lookup_gain, 1.0
-        for d in range(min(tree.depth, MAX_DEPTH)):
-            reach *= min(float(rates[d, :width].sum()), 1.0)
-            expected += reach
-        return expected
+        return 1.0 + self.lookup_gain + float(node_chances(rates, tree.depth, tree.top_b)[: tree.max_nodes].sum())
 
     def step_ms(self) -> Callable[[TreeConfig | None], float]:
         """The predicted wall time of one step, ms, as a function of the tree (None: no tree):
@@ -231,9 +252,13 @@ class TreePlanner:
         """The candidate tree with the most expected tokens per millisecond; None when no tree
         beats sending none (the loop then asks the target for one token, drafting nothing)."""
         rates, step_ms = self.accept_rates(), self.step_ms()
+        # one EAGLE-2 build per (depth, top-B); every node count reads a prefix sum of it
+        kept = functools.cache(lambda d, b: np.concatenate([[0.0], np.cumsum(node_chances(rates, d, b))]))
         best, best_rate = None, 1.0 / max(step_ms(None), 1e-3)
         for tree in self.candidates(max_depth, max_nodes):
-            rate = self.expected_tokens(tree, rates) / max(step_ms(tree), 1e-3)
+            chances = kept(tree.depth, tree.top_b)
+            expected = 1.0 + self.lookup_gain + float(chances[min(tree.max_nodes, len(chances) - 1)])
+            rate = expected / max(step_ms(tree), 1e-3)
             if rate > best_rate:
                 best, best_rate = tree, rate
         self.chosen["none" if best is None else f"{best.depth}x{best.top_b}x{best.max_nodes}"] += 1

@@ -176,3 +176,74 @@ def test_no_tree_when_speculation_does_not_pay_stays_exact(stories, stories_path
     assert gen.tokens == reference_greedy(model, prompt, 20)
     assert gen.stats.trees == {"none": 19} and gen.stats.draft_tokens == 0 and gen.stats.draft_ms == 0
     assert len(planner.verify_fit.points) == 19  # it keeps measuring the link and one-token steps
+
+
+def _rank_logits(rates, depth: int, top_b: int, vocab: int = 4096):
+    """Drafter logits whose top-`top_b` probabilities are `rates[depth]` (token id = rank), the rest
+    of the mass spread thinly over the other tokens."""
+    import torch
+
+    row = torch.tensor(rates[depth, :top_b], dtype=torch.float64)
+    rest = (1.0 - float(row.sum())) / (vocab - top_b)
+    assert rest < float(row.min())
+    return torch.cat([row, torch.full((vocab - top_b,), rest, dtype=torch.float64)]).log()
+
+
+@pytest.mark.parametrize("shape", [TreeConfig(1, 4, 4), TreeConfig(2, 2, 4), TreeConfig(3, 2, 6),
+                                   TreeConfig(4, 3, 9), TreeConfig(6, 2, 8), TreeConfig(5, 4, 24)], ids=str)
+def test_expected_tokens_are_those_of_the_tree_eagle2_builds(shape):
+    """The planner's expected tokens for a shape equal a Monte Carlo count over the tree the real
+    EAGLE-2 builder (client/drafters/dynamic_tree.py) makes when the drafter's probabilities are
+    the acceptance chances: walk from the root, accept the rank-r child with chance a_d(r), stop
+    at a rejection or a child the tree did not keep."""
+    import random
+
+    from splitspec.client.drafters.base import DraftLimits
+    from splitspec.client.drafters.dynamic_tree import build_tree
+    from splitspec.shared.sampling import SamplingParams
+    from splitspec.shared.tree import ROOT
+
+    planner = TreePlanner()
+    planner.hits[:6, :4] = [[60, 12, 4, 2], [50, 10, 5, 2], [45, 9, 3, 1], [40, 8, 2, 1], [30, 6, 2, 1], [25, 5, 1, 1]]
+    planner.offered[:6, :4] = 100
+    rates = planner.accept_rates()
+    tree = build_tree(_rank_logits(rates, 0, shape.top_b),
+                      lambda frontier, pool: __import__("torch").stack(
+                          [_rank_logits(rates, pool[n].depth, shape.top_b) for n in frontier]),
+                      shape, DraftLimits(8, 64), SamplingParams()).tree
+    assert tree.size == min(shape.max_nodes, shape.top_b + (shape.depth - 1) * shape.top_b ** 2)
+    rng, total, trials = random.Random(0), 0, 40_000
+    for _ in range(trials):
+        node, depth = ROOT, 0
+        while depth < 6:
+            u, rank = rng.random(), None
+            for r in range(shape.top_b):
+                u -= rates[depth, r]
+                if u < 0:
+                    rank = r
+                    break
+            child = next((c for c in tree.children(node) if tree.tokens[c] == rank), None) if rank is not None else None
+            if child is None:
+                break
+            total, node, depth = total + 1, child, depth + 1
+    assert planner.expected_tokens(shape) == pytest.approx(1.0 + total / trials, abs=0.015)
+
+
+def test_deep_trees_are_not_credited_with_nodes_reranking_drops():
+    """With a strong top-ranked child and weak siblings, 24 nodes over 5 levels hold far fewer than
+    the 4 a level the old width model gave each depth (N // D): a chain's worth at depth 5, not 4
+    siblings' worth; a wide tree's expectation stays below a full width at every level."""
+    planner = TreePlanner()
+    planner.hits[:6, :4] = [[70, 10, 4, 2]] * 6
+    planner.offered[:6, :4] = 100
+    rates = planner.accept_rates()
+    deep = TreeConfig(5, 4, 24)
+    import numpy as np
+
+    width_model = 1.0 + float(np.cumprod(np.minimum(rates[:5, :4].sum(1), 1.0)).sum())
+    assert planner.expected_tokens(deep) < width_model - 0.05
+    chain = TreeConfig(5, 1, 5)
+    assert planner.expected_tokens(chain) == pytest.approx(1.0 + float(np.cumprod(rates[:5, 0]).sum()))
+    assert planner.expected_tokens(chain) < planner.expected_tokens(deep)
+    assert [planner.expected_tokens(TreeConfig(3, 3, n)) for n in (3, 6, 9)] == sorted(
+        planner.expected_tokens(TreeConfig(3, 3, n)) for n in (3, 6, 9))
