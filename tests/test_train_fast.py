@@ -294,23 +294,23 @@ def test_a_stop_signal_saves_and_resume_continues_exactly(stories_path, tmp_path
     import splitspec.train.trainer as trainer
 
     straight = train(_small(stories_path, tmp_path / "a", epochs=2), progress=False)
-    step = trainer._train_step
+    finish = trainer.AccumulatedStep.finish
 
     sent = []
 
     def step_then_signal(*args, **kwargs):  # once: a second SIGTERM would terminate, as it should
-        out = step(*args, **kwargs)
+        out = finish(*args, **kwargs)
         if not sent:
             sent.append(os.kill(os.getpid(), signal.SIGTERM))
         return out
 
-    monkeypatch.setattr(trainer, "_train_step", step_then_signal)
+    monkeypatch.setattr(trainer.AccumulatedStep, "finish", step_then_signal)
     before = signal.getsignal(signal.SIGTERM)
     stopped = train(_small(stories_path, tmp_path / "b", epochs=2), progress=False)
     assert signal.getsignal(signal.SIGTERM) is before  # the run gave the handler back
     assert stopped["eagle2"]["step"] == 1 < straight["eagle2"]["step"]
     assert (tmp_path / "b" / "eagle2" / "model.safetensors").exists()
-    monkeypatch.setattr(trainer, "_train_step", step)
+    monkeypatch.setattr(trainer.AccumulatedStep, "finish", finish)
     resumed = train(_small(stories_path, tmp_path / "b", epochs=2, resume=True), progress=False)
     assert resumed["eagle2"]["step"] == straight["eagle2"]["step"]
     a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
