@@ -20,10 +20,10 @@ B best frontier nodes expanded into B children each, and of all nodes created th
     E[tokens] = 1 + G + sum over the N kept nodes v of prod_{k on the path to v} a_k(r_k)
 
 per call (until session 31 it assumed every depth of a D-deep tree held N // D nodes, which
-overrated deep trees: reranking keeps most nodes near the root) and costs draft(D) + link + verify(N + 1 + X) milliseconds, X the
-rows a step's tree carries beyond the N it was asked for (a merged prompt-lookup chain's own nodes,
+overrated deep trees: reranking keeps most nodes near the root) and costs draft(D) + link +
+verify(N + 1 + X) milliseconds, X the rows a step's tree carries beyond the N it was asked for (a merged prompt-lookup chain's own nodes,
 client/drafters/ngram.py `PromptLookupMerge`; an EWMA of what the verified trees held) and G the
-tokens those rows got accepted (an EWMA too). The q_k are learnt from the drafter's own nodes only:
+tokens those rows got accepted (an EWMA too). The a_k are learnt from the drafter's own nodes only:
 a token accepted through a lookup node is the chain's, not a wider tree's, and crediting it to the
 drafter's lower-ranked children would make wide trees look better than they are. The planner picks
 the (D, B, N) of a grid that maximises E[tokens] / cost, or no tree at all (one
@@ -222,13 +222,21 @@ class TreePlanner:
         prior = cfg.prior_accept * cfg.rank_decay ** ranks * cfg.depth_decay ** depths
         return (self.hits + cfg.prior_weight * prior) / (self.offered + cfg.prior_weight)
 
-    def expected_tokens(self, tree: TreeConfig | None, rates: np.ndarray | None = None) -> float:
+    def expected_tokens(self, tree: TreeConfig | None, kept: Callable[[int, int], np.ndarray] | None = None
+                        ) -> float:
         """E[tokens per call] of a tree shape (module docstring; None = no tree: 1); the bonus
-        token and what prompt-lookup chains have been adding per step (`lookup_gain`) included."""
+        token and what prompt-lookup chains have been adding per step (`lookup_gain`) included.
+        `kept`: `kept_chances` of the current rates, where a caller values many shapes."""
         if tree is None:
             return 1.0
-        rates = self.accept_rates() if rates is None else rates
-        return 1.0 + self.lookup_gain + float(node_chances(rates, tree.depth, tree.top_b)[: tree.max_nodes].sum())
+        sums = (kept or self.kept_chances())(tree.depth, tree.top_b)
+        return 1.0 + self.lookup_gain + float(sums[min(tree.max_nodes, len(sums) - 1)])
+
+    def kept_chances(self) -> Callable[[int, int], np.ndarray]:
+        """(depth, top-B) -> [n + 1] the summed chances of the best 0 .. n nodes of that EAGLE-2
+        tree (`node_chances` of the current `accept_rates`), built once per shape."""
+        rates = self.accept_rates()
+        return functools.cache(lambda d, b: np.concatenate([[0.0], np.cumsum(node_chances(rates, d, b))]))
 
     def step_ms(self) -> Callable[[TreeConfig | None], float]:
         """The predicted wall time of one step, ms, as a function of the tree (None: no tree):
@@ -251,14 +259,10 @@ class TreePlanner:
     def choose(self, max_depth: int = MAX_DEPTH, max_nodes: int = 64) -> TreeConfig | None:
         """The candidate tree with the most expected tokens per millisecond; None when no tree
         beats sending none (the loop then asks the target for one token, drafting nothing)."""
-        rates, step_ms = self.accept_rates(), self.step_ms()
-        # one EAGLE-2 build per (depth, top-B); every node count reads a prefix sum of it
-        kept = functools.cache(lambda d, b: np.concatenate([[0.0], np.cumsum(node_chances(rates, d, b))]))
+        kept, step_ms = self.kept_chances(), self.step_ms()
         best, best_rate = None, 1.0 / max(step_ms(None), 1e-3)
         for tree in self.candidates(max_depth, max_nodes):
-            chances = kept(tree.depth, tree.top_b)
-            expected = 1.0 + self.lookup_gain + float(chances[min(tree.max_nodes, len(chances) - 1)])
-            rate = expected / max(step_ms(tree), 1e-3)
+            rate = self.expected_tokens(tree, kept) / max(step_ms(tree), 1e-3)
             if rate > best_rate:
                 best, best_rate = tree, rate
         self.chosen["none" if best is None else f"{best.depth}x{best.top_b}x{best.max_nodes}"] += 1

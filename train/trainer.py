@@ -660,8 +660,7 @@ class AccumulatedStep:
         rows = int(metrics["rows"])
         (loss if self.whole else loss * rows).backward()
         self.rows += rows
-        self.sums["loss"] = self.sums.get("loss", 0.0) + loss.item() * rows
-        for k, v in metrics.items():
+        for k, v in {"loss": loss.item(), **metrics}.items():
             if k != "rows":
                 self.sums[k] = self.sums.get(k, 0.0) + v * rows
 
