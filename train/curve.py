@@ -25,6 +25,11 @@ def read_histories(dirs: list[Path]) -> dict[str, list[dict]]:
     return out
 
 
+def tokens(record: dict) -> int:
+    """The training tokens behind a record: `tokens_total` where written, else the run's `tokens`."""
+    return record["tokens_total"] if "tokens_total" in record else record["tokens"]
+
+
 def table(histories: dict[str, list[dict]]) -> str:
     lines = ["| drafter (run) | tokens | minutes | held-out tau | top-1 | memory gain | held-out loss |",
              "|---|---|---|---|---|---|---|"]
@@ -33,7 +38,7 @@ def table(histories: dict[str, list[dict]]) -> str:
             gain = f"{r['memory_gain']:+.3f}" if "memory_gain" in r else "-"
             minutes = f"{r['elapsed_s'] / 60:.0f}" if "elapsed_s" in r else "-"
             loss = f"{r['heldout_loss']:.3f}" if "heldout_loss" in r else "-"
-            lines.append(f"| {name} | {r.get('tokens_total', r['tokens']):,} | {minutes} | {r['tau']:.2f} | "
+            lines.append(f"| {name} | {tokens(r):,} | {minutes} | {r['tau']:.2f} | "
                          f"{r['heldout_top1']:.3f} | {gain} | {loss} |")
     return "\n".join(lines)
 
@@ -58,7 +63,7 @@ def plot(histories: dict[str, list[dict]], out: Path) -> None:
     fig, axes = plt.subplots(1, len(METRICS), figsize=(5 * len(METRICS), 4))
     for ax, (key, title) in zip(axes, METRICS):
         for name, records in histories.items():
-            points = [(r.get("tokens_total", r["tokens"]), r[key]) for r in records if key in r]
+            points = [(tokens(r), r[key]) for r in records if key in r]
             if points:
                 marker, line = styles[name.split(" (")[-1]]
                 ax.plot(*zip(*points), color=colours[name.split(" (")[0]], marker=marker, linestyle=line, label=name)
