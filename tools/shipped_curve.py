@@ -27,17 +27,18 @@ TRAIN_NAME = {"moa-tli0": "moa", "moa-tli1": "moa:tli=1", "eagle2": "eagle2", "f
               "tokenswift": "tokenswift"}
 
 
-def git(*args: str) -> str:
-    return subprocess.run(["git", *args], check=True, capture_output=True, text=True).stdout
+def git(*args: str, repo: str = ".") -> str:
+    return subprocess.run(["git", "-C", repo, *args], check=True, capture_output=True, text=True).stdout
 
 
-def shipped_versions(name: str) -> list[tuple[str, str]]:
-    """[(commit, blob)] oldest first: the commits that changed NAME's weights, one per distinct blob."""
+def shipped_versions(name: str, repo: str = ".") -> list[tuple[str, str]]:
+    """[(commit, blob)] oldest first: the commits that changed NAME's weights, one per distinct blob
+    (a commit that restores earlier weights, or that only touched the card, adds nothing)."""
     path = f"{CHECKPOINTS}/{name}/model.safetensors"
     seen, out = set(), []
-    for rev in reversed(git("log", "--format=%H", "--", path).split()):
+    for rev in reversed(git("log", "--format=%H", "--", path, repo=repo).split()):
         try:
-            blob = git("rev-parse", f"{rev}:{path}").strip()
+            blob = git("rev-parse", f"{rev}:{path}", repo=repo).strip()
         except subprocess.CalledProcessError:  # the commit removed it
             continue
         if blob not in seen:
