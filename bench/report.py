@@ -44,8 +44,7 @@ def render_markdown(records: list[BenchRecord], meta: dict, cfg=None) -> str:
     sections = [_header(records, meta, cfg), client_server_table(groups, profiles),
                 *[detail_table(groups, p) for p in profiles], detail_table(groups, None),
                 category_tables(groups, profiles), paired_section(records), goal_section(groups, records, cfg.goal_profile if cfg else "4g",
-                                                                meta.get("target", ""),
-                                                                meta.get("decoding", "greedy"))]
+                                                                meta.get("target", ""))]
     return "\n\n".join(s for s in sections if s)
 
 
@@ -180,11 +179,12 @@ def category_tables(groups: dict[GroupKey, GroupStats], profiles: Sequence[str])
     return "\n\n".join(["### By category", *out]) if out else ""
 
 
-def goal_section(groups: dict[GroupKey, GroupStats], records: list[BenchRecord], profile: str, target: str,
-                 decoding: str = "greedy") -> str:
+def goal_section(groups: dict[GroupKey, GroupStats], records: list[BenchRecord], profile: str, target: str) -> str:
     """The issue's goals under `profile`, each with the measured value and met / missed by how much,
-    then the bytes per generated token of each feature quantization."""
-    lines = [f"### Goals ({decoding.split(' (')[0]}, {target or 'target'}, profile {profile})", ""]
+    then the bytes per generated token of each feature quantization. The heading says "sampled" when
+    the records are sampled answers (`exact` None: nothing to compare), else "greedy"."""
+    decoding = "sampled" if any(r.exact is None for r in records) else "greedy"
+    lines = [f"### Goals ({decoding}, {target or 'target'}, profile {profile})", ""]
     lines += [f"- {g.line()}" for g in goals(groups, profile)]
     rows = feature_bytes(records, profile)
     if rows:

@@ -230,6 +230,9 @@ def test_sampled_bench_settings_reach_the_config_the_command_and_the_report():
     assert "target tiny, sampled (temperature 0.7, top-p 0.9, answer i seeded 3 + i)," in md
     assert "| sampled |" in md and "/1 |" not in md
     assert "| 1/1 |" in render_markdown(synthetic_run(), META)
+    # the goals' heading reads the records, not the meta's words
+    assert "### Goals (sampled," in render_markdown(rows, META)
+    assert "### Goals (greedy," in render_markdown(synthetic_run(), {**META, "decoding": "sampled (x)"})
 
 
 def test_target_sampled_is_seeded_and_leaves_the_global_rng_alone(stories):
