@@ -23,8 +23,6 @@ import sys
 from pathlib import Path
 
 CHECKPOINTS = "client/checkpoints/smollm2-135m"
-TRAIN_NAME = {"moa-tli0": "moa", "moa-tli1": "moa:tli=1", "eagle2": "eagle2", "falcon": "falcon",
-              "tokenswift": "tokenswift"}
 
 
 def git(*args: str, repo: str = ".") -> str:
@@ -47,12 +45,18 @@ def shipped_versions(name: str, repo: str = ".") -> list[tuple[str, str]]:
     return out
 
 
-def extract(rev: str, name: str, dest: Path) -> None:
+def drafter_spec(meta: dict) -> str:
+    """The `splitspec train --drafter` entry of a checkpoint's drafter.json (its kind and TLI depth)."""
+    return f"moa:tli={meta['config'].get('tli', 0)}" if meta["kind"] == "moa" else meta["kind"]
+
+
+def extract(rev: str, name: str, meta_text: str, dest: Path) -> None:
+    """Write the checkpoint NAME of commit REV into `dest` (its drafter.json already read as `meta_text`)."""
     dest.mkdir(parents=True, exist_ok=True)
-    for f in ("drafter.json", "model.safetensors"):
-        data = subprocess.run(["git", "show", f"{rev}:{CHECKPOINTS}/{name}/{f}"], check=True,
-                              capture_output=True).stdout
-        (dest / f).write_bytes(data)
+    (dest / "drafter.json").write_text(meta_text)
+    weights = subprocess.run(["git", "show", f"{rev}:{CHECKPOINTS}/{name}/model.safetensors"], check=True,
+                             capture_output=True).stdout
+    (dest / "model.safetensors").write_bytes(weights)
 
 
 def main() -> None:
@@ -74,14 +78,15 @@ def main() -> None:
         for rev, blob in shipped_versions(name):
             if blob in measured or (args.limit and done >= args.limit):
                 continue
-            meta = json.loads(git("show", f"{rev}:{CHECKPOINTS}/{name}/drafter.json"))
+            meta_text = git("show", f"{rev}:{CHECKPOINTS}/{name}/drafter.json")
+            meta = json.loads(meta_text)
             training = meta.get("training", {})
             tokens = training.get("tokens_total", training.get("tokens", 0))
             if tokens < args.min_tokens:
                 continue
             dest = args.work / rev[:10] / name
-            extract(rev, name, dest)
-            cmd = ["splitspec", "train", "--drafter", TRAIN_NAME[name], "--target", "smollm2-135m",
+            extract(rev, name, meta_text, dest)
+            cmd = ["splitspec", "train", "--drafter", drafter_spec(meta), "--target", "smollm2-135m",
                    "--init", str(dest), "--eval-only", "--eval-prompts", str(args.eval_prompts),
                    "--heldout", str(args.heldout)]
             print(f"{rev[:10]} {name} ({tokens:,} tokens): {' '.join(cmd)}", file=sys.stderr, flush=True)
@@ -92,7 +97,7 @@ def main() -> None:
             with history.open("a") as f:
                 f.write(json.dumps(record) + "\n")
             print(json.dumps({k: record[k] for k in ("rev", "tokens_total", "tau", "heldout_top1")}), flush=True)
-            shutil.rmtree(dest)
+            shutil.rmtree(dest.parent)
             done += 1
 
 
