@@ -1,10 +1,13 @@
 """tools/shipped_curve.py: which versions of a shipped checkpoint it measures (one per distinct
-weights blob, oldest first, a deletion skipped)."""
+weights blob, oldest first, a deletion skipped), and as which trainer variant."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 from pathlib import Path
+
+from splitspec.train.trainer import DrafterJob
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,3 +43,15 @@ def test_one_version_per_distinct_blob_oldest_first(tmp_path):
     versions = _tool().shipped_versions("eagle2", repo=str(tmp_path))
     assert [rev for rev, _ in versions] == [first, second, third]
     assert len({blob for _, blob in versions}) == 3
+
+
+def test_drafter_spec_names_the_checkpoints_own_variant():
+    """The --drafter entry the tool passes makes the trainer's job name the checkpoint's folder name
+    (the key the tool reads the result under), for every shipped checkpoint and a learned-pool MoA."""
+    tool = _tool()
+    folders = sorted((ROOT / tool.CHECKPOINTS).glob("*/drafter.json"))
+    assert {f.parent.name for f in folders} >= {"moa-tli0", "moa-tli1", "eagle2"}
+    for f in folders:
+        assert DrafterJob.parse(tool.drafter_spec(json.loads(f.read_text()))).name == f.parent.name
+    learned = {"kind": "moa", "config": {"tli": 1, "lsa_pool": "learned"}}
+    assert DrafterJob.parse(tool.drafter_spec(learned)).name == "moa-tli1-learned"

@@ -46,8 +46,12 @@ def shipped_versions(name: str, repo: str = ".") -> list[tuple[str, str]]:
 
 
 def drafter_spec(meta: dict) -> str:
-    """The `splitspec train --drafter` entry of a checkpoint's drafter.json (its kind and TLI depth)."""
-    return f"moa:tli={meta['config'].get('tli', 0)}" if meta["kind"] == "moa" else meta["kind"]
+    """The `splitspec train --drafter` entry of a checkpoint's drafter.json (its kind, and for MoA its
+    TLI depth and LSA pooling), so that the trainer evaluates it as the variant it was trained as."""
+    if meta["kind"] != "moa":
+        return meta["kind"]
+    pool = meta["config"].get("lsa_pool", "mean")
+    return f"moa:tli={meta['config'].get('tli', 0)}" + ("" if pool == "mean" else f":pool={pool}")
 
 
 def extract(rev: str, name: str, meta_text: str, dest: Path) -> None:
