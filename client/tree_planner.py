@@ -23,13 +23,14 @@ per call (until session 31 it assumed every depth of a D-deep tree held N // D n
 overrated deep trees: reranking keeps most nodes near the root) and costs draft(D) + link +
 verify(N + 1 + X) milliseconds, X the rows a step's tree carries beyond the N it was asked for (a
 merged prompt-lookup chain's own nodes, client/drafters/ngram.py `PromptLookupMerge`; an EWMA of
-what the verified trees held) and G the tokens those rows got accepted (an EWMA too). The a_k are learnt from the drafter's own nodes only:
-a token accepted through a lookup node is the chain's, not a wider tree's, and crediting it to the
-drafter's lower-ranked children would make wide trees look better than they are. The planner picks
-the (D, B, N) of a grid that maximises E[tokens] / cost, or no tree at all (one
-token per call, no drafting) when even the smallest tree costs more than it returns. Every choice
-is a valid tree for the same drafter, so decoding stays lossless whatever is chosen. When the link
-changes (4g -> lan), the EWMA of its cost follows within a few calls and so does the choice.
+what the verified trees held) and G the tokens those rows got accepted (an EWMA too). The a_k are
+learnt from the drafter's own nodes only: a token accepted through a lookup node is the chain's, not
+a wider tree's, and crediting it to the drafter's lower-ranked children would make wide trees look
+better than they are. The planner picks the (D, B, N) of a grid that maximises E[tokens] / cost, or
+no tree at all (one token per call, no drafting) when even the smallest tree costs more than it
+returns. Every choice is a valid tree for the same drafter, so decoding stays lossless whatever is
+chosen. When the link changes (4g -> lan), the EWMA of its cost follows within a few calls and so
+does the choice.
 """
 from __future__ import annotations
 
