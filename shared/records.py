@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence, TypeVar
+
+R = TypeVar("R")  # one prompt's record in a paired comparison
 
 
 @dataclass(frozen=True)
@@ -93,11 +95,12 @@ def accept_length_interval(records: Iterable[AnswerRecord], level: float = 0.95,
     return _central(ratios, level)
 
 
-def paired_interval(base: Sequence[AnswerRecord], other: Sequence[AnswerRecord],
-                    statistic: Callable[[list[AnswerRecord], list[AnswerRecord]], float], level: float = 0.95,
-                    resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+def paired_interval(base: Sequence[R], other: Sequence[R], statistic: Callable[[list[R], list[R]], float],
+                    level: float = 0.95, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
     """Percentile bootstrap interval of `statistic(base, other)` with the prompts drawn jointly:
     base[i] and other[i] answer the same prompt, and each resample keeps those pairs together.
+    The records are anything per prompt the statistic reads (`AnswerRecord`s for tau; the trainer's
+    per-conversation held-out counts for top-1 and loss).
     Two arms run side by side on the same prompts share each prompt's difficulty, so the interval of
     their difference (e.g. `tau_difference`) is far narrower than the two arms' own intervals
     suggest; this is the interval that says whether one arm beats the other on these prompts.

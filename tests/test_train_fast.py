@@ -6,6 +6,7 @@ import gzip
 import json
 import random
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,8 @@ from splitspec.train.batched import (LossOptions, batch_chunk_starts, eagle_loss
                                      moa_loss_batch, run_target_batch)
 from splitspec.train.data import tokenize_conversation
 from splitspec.train.objectives import eagle_loss, moa_loss, run_target
-from splitspec.train.trainer import (CheckpointTooLarge, DrafterJob, TrainConfig, attention_backends, build_drafter,
-                                     check_size, sa_window, train)
+from splitspec.train.trainer import (CheckpointTooLarge, DrafterJob, TrainConfig, Trainee, attention_backends,
+                                     build_drafter, check_size, sa_window, train, trainee_loss)
 
 
 def _conversations(n: int, seed: int) -> list[list[dict]]:
@@ -175,6 +176,39 @@ def test_kl_weight_sets_the_token_terms_share(stories, examples, job):
         torch.testing.assert_close(loss.item(), w * m["kl"] + m["smooth_l1"], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["moa", "eagle2", "falcon", "tokenswift"])
+def test_per_conversation_counts_pool_to_the_batch_figures(stories, examples, kind):
+    """LossOptions(per_conversation=True) splits the batch's rows, top-1 matches and loss by
+    conversation (what the held-out intervals resample): they add up to the pooled figures, and a
+    conversation's counts are what it gives alone in a batch of one (padding changes nothing)."""
+    model, _, _ = stories
+    torch.manual_seed(0)
+    job = DrafterJob(kind)
+    drafter = build_drafter(job, model.config)
+    parts = TargetParts(model, job.tli)
+    opts = LossOptions(per_conversation=True)
+    cfg = _small(Path("unused"), Path("unused"), drafter=kind)
+
+    def measure(batch_examples):
+        t = Trainee(job, drafter, parts, parts, None, random.Random(3), torch.Generator().manual_seed(3), Path("x"))
+        target = run_target_batch(model, make_batch(batch_examples), (parts.first_tli_layer,) if job.tli else ())
+        return trainee_loss(replace(cfg, dtype="float32"), t, target, opts, parts)
+
+    with torch.no_grad():
+        loss, m = measure(examples)
+        counts = m["per_conversation"]
+        assert len(counts) == len(examples) and all(n > 0 for n, _, _ in counts)
+        rows = sum(n for n, _, _ in counts)
+        assert rows == m["rows"]
+        assert sum(hits for _, hits, _ in counts) / rows == pytest.approx(m["top1"])
+        assert sum(loss for _, _, loss in counts) / rows == pytest.approx(loss.item(), rel=1e-5)
+        if kind in ("eagle2", "tokenswift"):  # no random draws in the loss: compare with each one alone
+            for i, example in enumerate(examples):
+                _, alone = measure([example])
+                (n, hits, total), = alone["per_conversation"]
+                assert (n, hits) == tuple(counts[i][:2]) and total == pytest.approx(counts[i][2], rel=1e-4)
+
+
 def test_kl_weight_reaches_the_training_step(stories_path, tmp_path):
     """The trainer passes --kl-weight on: the weights move differently, and the card and its
     Reproduce line say the weight (and only when it is not the default)."""
@@ -229,12 +263,21 @@ def test_eval_only_measures_the_init_checkpoints_and_writes_nothing(stories_path
         assert paired["tau_difference"] == pytest.approx(got["tau"] - base["tau"])
         assert paired["loss_difference"] == pytest.approx(got["heldout_loss"] - base["heldout_loss"])
         assert paired["loss_difference"] < 0  # the trained checkpoint against one step from scratch
-        low, high = paired["tau_difference_ci95"]
-        assert low <= paired["tau_difference"] <= high
+        for key in ("tau", "top1", "loss"):  # each difference inside its interval over the prompts
+            low, high = paired[f"{key}_difference_ci95"]
+            assert low <= paired[f"{key}_difference"] + 1e-12 and paired[f"{key}_difference"] - 1e-12 <= high
+        assert paired["loss_difference_ci95"][1] < 0  # two conversations, both better after training
+        for record in (got, base):  # the per-conversation counts pool to the held-out figures
+            counts = record["per_conversation"]
+            assert len(counts) == record["heldout"] == 2 and all(n > 0 for n, _, _ in counts)
+            rows = sum(n for n, _, _ in counts)
+            assert sum(hits for _, hits, _ in counts) / rows == pytest.approx(record["heldout_top1"])
+            assert sum(loss for _, _, loss in counts) / rows == pytest.approx(record["heldout_loss"], rel=1e-5)
     same = train(_small(stories_path, tmp_path / "none", init=str(tmp_path / "run"), eval_only=True, eval_prompts=5,
                         against=str(tmp_path / "run")), progress=False)
     assert all(r["paired"] == {"tau_difference": 0.0, "tau_difference_ci95": [0.0, 0.0], "top1_difference": 0.0,
-                               "loss_difference": 0.0} for r in same.values())
+                               "loss_difference": 0.0, "top1_difference_ci95": [0.0, 0.0],
+                               "loss_difference_ci95": [0.0, 0.0]} for r in same.values())
     with pytest.raises(ValueError, match="no checkpoint to compare with"):
         train(_small(stories_path, tmp_path / "x", init=str(tmp_path / "run"), eval_only=True,
                      against=str(tmp_path / "empty")), progress=False)

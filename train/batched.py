@@ -240,21 +240,40 @@ class LossOptions:
     eagle_noise: float = 0.0
     falcon_glance: float | None = None  # Falcon CSGD's glancing ratio; None = one teacher-forced pass
     kl_weight: float = KL_WEIGHT  # weight of the token term against the SmoothL1 feature term(s)
+    per_conversation: bool = False  # metrics gain "per_conversation" (held-out figures' intervals)
 
 
 def distill_loss_rows(logits: torch.Tensor, target_logits: torch.Tensor,
                       l1_terms: list[tuple[torch.Tensor, torch.Tensor]],
-                      kl_weight: float = KL_WEIGHT) -> tuple[torch.Tensor, dict]:
+                      kl_weight: float = KL_WEIGHT, conversations: tuple[torch.Tensor, int] | None = None
+                      ) -> tuple[torch.Tensor, dict]:
     """kl_weight (EAGLE's 0.1 by default) * CE(softmax(target), drafter) + mean of SmoothL1 terms,
     averaged over the N rows (token-weighted). logits, target_logits: [N, V']; l1_terms:
-    (prediction, target) pairs [N, E]."""
+    (prediction, target) pairs [N, E].
+
+    With `conversations` = (index [N] of each row's conversation in the batch, B), the metrics gain
+    "per_conversation": B lists [rows, top-1 matches, summed loss], from which the held-out top-1
+    and loss can be pooled over any resample of the conversations (`trainer.paired_heldout`).
+    """
     n = max(1, logits.shape[0])
     target_probs = torch.softmax(target_logits.float(), -1)
-    kl = -(target_probs * torch.log_softmax(logits.float(), -1)).sum() / n
-    l1 = sum(F.smooth_l1_loss(p.float(), t.float(), reduction="none").mean(-1).sum() / n
-             for p, t in l1_terms) / len(l1_terms)
-    top1 = (logits.argmax(-1) == target_logits.argmax(-1)).float().sum() / n
-    return kl_weight * kl + l1, {"kl": kl.item(), "smooth_l1": l1.item(), "top1": top1.item(), "rows": n}
+    kl_rows = -(target_probs * torch.log_softmax(logits.float(), -1)).sum(-1)  # [N]
+    l1_rows = sum(F.smooth_l1_loss(p.float(), t.float(), reduction="none").mean(-1)
+                  for p, t in l1_terms) / len(l1_terms)  # [N]
+    kl, l1 = kl_rows.sum() / n, l1_rows.sum() / n
+    hits = (logits.argmax(-1) == target_logits.argmax(-1)).float()  # [N]
+    metrics = {"kl": kl.item(), "smooth_l1": l1.item(), "top1": (hits.sum() / n).item(), "rows": n}
+    if conversations is not None:
+        index, count = conversations
+        per = torch.zeros(count, 3, dtype=torch.float64, device=hits.device)
+        rows = torch.stack([torch.ones_like(hits), hits, kl_weight * kl_rows + l1_rows], -1).detach().double()
+        metrics["per_conversation"] = per.index_add_(0, index, rows).tolist()
+    return kl_weight * kl + l1, metrics
+
+
+def _conversations(opts: LossOptions, target: TargetBatch, index: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """(index [N] of each loss row's conversation, B) where `opts` asks for per-conversation metrics."""
+    return (index, target.batch.input_ids.shape[0]) if opts.per_conversation else None
 
 
 def moa_loss_batch(drafter, parts, target: TargetBatch, starts: torch.Tensor, opts: LossOptions,
@@ -271,7 +290,8 @@ def moa_loss_batch(drafter, parts, target: TargetBatch, starts: torch.Tensor, op
         if opts.tli_scale is not None:
             pred, truth = pred / opts.tli_scale, truth / opts.tli_scale
         terms.append((pred, truth))
-    return distill_loss_rows(logits, target.logits, terms, kl_weight=opts.kl_weight)
+    return distill_loss_rows(logits, target.logits, terms, kl_weight=opts.kl_weight,
+                             conversations=_conversations(opts, target, rows // target.batch.input_ids.shape[1]))
 
 
 def eagle_loss_batch(drafter, parts, target: TargetBatch, opts: LossOptions, dtype: torch.dtype,
@@ -284,7 +304,8 @@ def eagle_loss_batch(drafter, parts, target: TargetBatch, opts: LossOptions, dty
     slots = pred[b[keep], t[keep] - 1]  # [N', E]
     weight, bias = head_weight(parts.lm_head, opts.vocab)
     return distill_loss_rows(F.linear(slots, weight, bias), target.logits[keep],
-                             [(slots, target.final[b[keep], t[keep]])], kl_weight=opts.kl_weight)
+                             [(slots, target.final[b[keep], t[keep]])], kl_weight=opts.kl_weight,
+                             conversations=_conversations(opts, target, b[keep]))
 
 
 def falcon_forward_batch(drafter: FalconDrafter, parts: TargetParts, target: TargetBatch, dtype: torch.dtype,
@@ -334,7 +355,7 @@ def falcon_loss_batch(drafter, parts, target: TargetBatch, opts: LossOptions, dt
     if opts.falcon_glance is None:
         slots = falcon_forward_batch(drafter, parts, target, dtype, offsets)[b, t - FALCON_K]
         return distill_loss_rows(F.linear(slots, weight, bias), target.logits[keep], [(slots, target.final[b, t])],
-                                 kl_weight=opts.kl_weight)
+                                 kl_weight=opts.kl_weight, conversations=_conversations(opts, target, b))
     with torch.no_grad():
         first = falcon_forward_batch(drafter, parts, target, dtype, offsets)
         wrong = (F.linear(first[b, t - FALCON_K], weight, bias).argmax(-1)
@@ -350,7 +371,7 @@ def falcon_loss_batch(drafter, parts, target: TargetBatch, opts: LossOptions, dt
     out = falcon_forward_batch(drafter, parts, target, dtype, offsets, torch.where(reveal[..., None], true, predicted))
     slots = out[b, t - FALCON_K]
     return distill_loss_rows(F.linear(slots, weight, bias), target.logits[keep], [(slots, target.final[b, t])],
-                             kl_weight=opts.kl_weight)
+                             kl_weight=opts.kl_weight, conversations=_conversations(opts, target, b))
 
 
 def tokenswift_loss_batch(heads, parts, target: TargetBatch, opts: LossOptions, dtype: torch.dtype):
@@ -360,16 +381,17 @@ def tokenswift_loss_batch(heads, parts, target: TargetBatch, opts: LossOptions, 
     B, T = target.batch.input_ids.shape
     hs = heads(target.final)  # [B, T, gamma, E]
     b, p = target.rows // T, target.rows % T
-    slots, wanted, feats = [], [], []
+    slots, wanted, feats, owners = [], [], [], []
     for i in range(1, hs.shape[2] + 1):
         keep = p >= i
         slots.append(hs[b[keep], p[keep] - i, i - 1])
         wanted.append(target.logits[keep])
         feats.append(target.final[b[keep], p[keep]])
+        owners.append(b[keep])
     slots = torch.cat(slots)
     weight, bias = head_weight(parts.lm_head, opts.vocab)
     return distill_loss_rows(F.linear(slots, weight, bias), torch.cat(wanted), [(slots, torch.cat(feats))],
-                             kl_weight=opts.kl_weight)
+                             kl_weight=opts.kl_weight, conversations=_conversations(opts, target, torch.cat(owners)))
 
 
 def tli_scale(target: TargetBatch, layer: int, floor: float = 1e-2) -> torch.Tensor:

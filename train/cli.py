@@ -110,7 +110,8 @@ def _add_train_parser(sub) -> None:
                         "--eval-prompts prompts, at most --heldout) and print the records; trains and writes nothing")
     p.add_argument("--against", default="",
                    help="with --eval-only: measure these checkpoints too (the forms --init takes) on the same prompts "
-                        "and add the differences, paired by prompt: tau (with its 95%% bootstrap interval), top-1, loss")
+                        "and add the differences, paired by prompt: tau, top-1 and loss, each with its 95%% bootstrap "
+                        "interval")
     p.set_defaults(func=cmd_train)
 
 

@@ -685,15 +685,16 @@ def evaluate(cfg: TrainConfig, drafter, parts, target_model, tokenizer, held, he
     drafter.eval()
     probe = Trainee(job, drafter, parts, parts, None, random.Random(1234), torch.Generator().manual_seed(1234),
                     cfg.out)
-    opts = LossOptions(tli_scale=None)
+    opts = LossOptions(tli_scale=None, per_conversation=True)
     fp32 = TrainConfig(**{**{k: getattr(cfg, k) for k in cfg.__dataclass_fields__}, "dtype": "float32",
                           "device": "cpu"})
-    losses, top1, shuffled, rows = 0.0, 0.0, 0.0, 0
+    losses, top1, shuffled, rows, per_conversation = 0.0, 0.0, 0.0, 0, []
     for i in range(0, len(held_examples), max(1, cfg.batch)):
         target = run_target_batch(target_model, make_batch(held_examples[i: i + cfg.batch]), _layer_inputs([probe]))
         state = probe.rng.getstate()
         loss, m = trainee_loss(fp32, probe, target, opts, parts)
         losses, top1, rows = losses + loss.item() * m["rows"], top1 + m["top1"] * m["rows"], rows + m["rows"]
+        per_conversation += m["per_conversation"]
         if job.kind == "moa":
             probe.rng.setstate(state)  # same chunks, memory shuffled
             _, m_shuffled = trainee_loss(fp32, probe, target, opts, parts, shuffle=torch.Generator().manual_seed(i))
@@ -703,7 +704,8 @@ def evaluate(cfg: TrainConfig, drafter, parts, target_model, tokenizer, held, he
     drafter.train()
     record = {"heldout": len(held), "heldout_loss": losses / max(1, rows), "heldout_top1": top1 / max(1, rows),
               "tau": tau, "tau_ci95": list(interval), "tau_prompts": min(cfg.eval_prompts, len(held)),
-              "tau_answers": [[a.new_tokens, a.target_calls] for a in answers]}
+              "tau_answers": [[a.new_tokens, a.target_calls] for a in answers],
+              "per_conversation": [[int(n), int(hits), loss] for n, hits, loss in per_conversation]}
     if job.kind == "moa":
         record["memory_gain"] = (top1 - shuffled) / max(1, rows)
     return record
@@ -737,16 +739,33 @@ def measure_tau(cfg, drafter, parts, target_model, tokenizer, conversations, job
 def paired_heldout(base: dict, other: dict) -> dict:
     """`other` against `base`, two `evaluate` records of the same held-out prompts: tau difference
     with its 95% bootstrap interval over prompts drawn jointly (`paired_interval`, as the bench's
-    paired comparisons), and the differences of top-1 agreement and loss (over the same positions).
+    paired comparisons), and the differences of top-1 agreement and loss (over the same positions),
+    each with its 95% interval over held-out conversations drawn jointly (the figures pooled over
+    each resample's positions, as `heldout_top1` / `heldout_loss` pool them; records written before
+    per-conversation counts were kept get no interval for those two).
 
     Raises:
-        ValueError: records of different prompt counts (not the same held-out prompts).
+        ValueError: records of different prompt or conversation counts (not the same held-out split).
     """
     a, b = ([AnswerRecord(new, calls, 0.0) for new, calls in r["tau_answers"]] for r in (base, other))
     low, high = paired_interval(a, b, tau_difference)
-    return {"tau_difference": tau_difference(a, b), "tau_difference_ci95": [low, high],
-            "top1_difference": other["heldout_top1"] - base["heldout_top1"],
-            "loss_difference": other["heldout_loss"] - base["heldout_loss"]}
+    paired = {"tau_difference": tau_difference(a, b), "tau_difference_ci95": [low, high],
+              "top1_difference": other["heldout_top1"] - base["heldout_top1"],
+              "loss_difference": other["heldout_loss"] - base["heldout_loss"]}
+    if "per_conversation" in base and "per_conversation" in other:
+        for name, column in (("top1", 1), ("loss", 2)):
+            def difference(x, y, column=column):
+                return _pooled(y, column) - _pooled(x, column)
+            paired[f"{name}_difference_ci95"] = list(paired_interval(base["per_conversation"],
+                                                                     other["per_conversation"], difference))
+    return paired
+
+
+def _pooled(conversations: list[list[float]], column: int) -> float:
+    """Row-weighted mean of column 1 (top-1 matches) or 2 (summed loss) over [rows, matches, loss]
+    records: the held-out figure of those conversations (NaN with no rows)."""
+    rows = sum(c[0] for c in conversations)
+    return sum(c[column] for c in conversations) / rows if rows else math.nan
 
 
 def _interval_text(record: dict) -> str:
