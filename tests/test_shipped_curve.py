@@ -46,12 +46,13 @@ def test_one_version_per_distinct_blob_oldest_first(tmp_path):
 
 
 def test_drafter_spec_names_the_checkpoints_own_variant():
-    """The --drafter entry the tool passes makes the trainer's job name the checkpoint's folder name
-    (the key the tool reads the result under), for every shipped checkpoint and a learned-pool MoA."""
+    """The --drafter entry the tool passes (DrafterJob.of_checkpoint(...).spec) makes the trainer's
+    job name the checkpoint's folder name (the key the tool reads the result under), for every shipped
+    checkpoint and a learned-pool MoA."""
     tool = _tool()
     folders = sorted((ROOT / tool.CHECKPOINTS).glob("*/drafter.json"))
     assert {f.parent.name for f in folders} >= {"moa-tli0", "moa-tli1", "eagle2"}
     for f in folders:
-        assert DrafterJob.parse(tool.drafter_spec(json.loads(f.read_text()))).name == f.parent.name
+        assert DrafterJob.parse(DrafterJob.of_checkpoint(json.loads(f.read_text())).spec).name == f.parent.name
     learned = {"kind": "moa", "config": {"tli": 1, "lsa_pool": "learned"}}
-    assert DrafterJob.parse(tool.drafter_spec(learned)).name == "moa-tli1-learned"
+    assert DrafterJob.parse(DrafterJob.of_checkpoint(learned).spec).name == "moa-tli1-learned"

@@ -22,6 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from splitspec.train.trainer import DrafterJob
+
 CHECKPOINTS = "client/checkpoints/smollm2-135m"
 
 
@@ -43,15 +45,6 @@ def shipped_versions(name: str, repo: str = ".") -> list[tuple[str, str]]:
             seen.add(blob)
             out.append((rev, blob))
     return out
-
-
-def drafter_spec(meta: dict) -> str:
-    """The `splitspec train --drafter` entry of a checkpoint's drafter.json (its kind, and for MoA its
-    TLI depth and LSA pooling), so that the trainer evaluates it as the variant it was trained as."""
-    if meta["kind"] != "moa":
-        return meta["kind"]
-    pool = meta["config"].get("lsa_pool", "mean")
-    return f"moa:tli={meta['config'].get('tli', 0)}" + ("" if pool == "mean" else f":pool={pool}")
 
 
 def extract(rev: str, name: str, meta_text: str, dest: Path) -> None:
@@ -90,7 +83,7 @@ def main() -> None:
                 continue
             dest = args.work / rev[:10] / name
             extract(rev, name, meta_text, dest)
-            cmd = ["splitspec", "train", "--drafter", drafter_spec(meta), "--target", "smollm2-135m",
+            cmd = ["splitspec", "train", "--drafter", DrafterJob.of_checkpoint(meta).spec, "--target", "smollm2-135m",
                    "--init", str(dest), "--eval-only", "--eval-prompts", str(args.eval_prompts),
                    "--heldout", str(args.heldout)]
             print(f"{rev[:10]} {name} ({tokens:,} tokens): {' '.join(cmd)}", file=sys.stderr, flush=True)

@@ -91,11 +91,26 @@ class DrafterJob:
                 return cls("moa", int(values.get("tli", 0)), values.get("pool", "mean"))
         raise ValueError(f"bad drafter {text!r}; expected moa[:tli=N][:pool=mean|learned], eagle2, falcon or tokenswift")
 
+    @classmethod
+    def of_checkpoint(cls, meta: dict) -> "DrafterJob":
+        """The drafter a checkpoint's drafter.json holds: its kind, and for MoA its TLI depth and LSA
+        pooling (`spec` gives the `--drafter` entry that trains or evaluates it as that variant)."""
+        if meta["kind"] != "moa":
+            return cls(meta["kind"])
+        return cls("moa", meta["config"].get("tli", 0), meta["config"].get("lsa_pool", "mean"))
+
     @property
     def name(self) -> str:
         if self.kind != "moa":
             return self.kind
         return f"moa-tli{self.tli}" + ("" if self.lsa_pool == "mean" else f"-{self.lsa_pool}")
+
+    @property
+    def spec(self) -> str:
+        """The `--drafter` entry `parse` reads back as this job."""
+        if self.kind != "moa":
+            return self.kind
+        return f"moa:tli={self.tli}" + ("" if self.lsa_pool == "mean" else f":pool={self.lsa_pool}")
 
 
 @dataclass
@@ -585,7 +600,8 @@ def initialise(cfg: TrainConfig, job: DrafterJob, drafter: torch.nn.Module,
     else:
         return "", 0, ""
     kind, module, meta = load_checkpoint(path, target)
-    tli = meta["config"].get("tli", 0) if kind == "moa" else 0
+    held = DrafterJob.of_checkpoint(meta)
+    tli, pool = held.tli, held.lsa_pool
     note = ""
     if (kind, tli) != (job.kind, job.tli):
         if not (kind == job.kind == "moa" and job.name in named):
@@ -593,7 +609,6 @@ def initialise(cfg: TrainConfig, job: DrafterJob, drafter: torch.nn.Module,
                              + (" (name it, --init NAME=PATH, to start across TLI depths)" if kind == job.kind else ""))
         note = f"moa tli={tli}"
         log.warning("%s starts from a moa tli=%d checkpoint (%s): a cross-TLI warm start", job.name, tli, path)
-    pool = meta["config"].get("lsa_pool", "mean") if kind == "moa" else "mean"
     if kind == "moa" and pool != job.lsa_pool:
         if pool != "mean":
             raise ValueError(f"{path} holds a moa drafter with {pool} LSA pooling, not {job.name}'s {job.lsa_pool}")
