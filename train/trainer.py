@@ -700,15 +700,14 @@ def evaluate(cfg: TrainConfig, drafter, parts, target_model, tokenizer, held, he
     drafter.eval()
     probe = Trainee(job, drafter, parts, parts, None, random.Random(1234), torch.Generator().manual_seed(1234),
                     cfg.out)
-    opts = LossOptions(tli_scale=None, per_conversation=True)
+    opts = LossOptions(tli_scale=None)
     fp32 = TrainConfig(**{**{k: getattr(cfg, k) for k in cfg.__dataclass_fields__}, "dtype": "float32",
                           "device": "cpu"})
-    losses, top1, shuffled, rows, per_conversation = 0.0, 0.0, 0.0, 0, []
+    shuffled, per_conversation = 0.0, []  # [rows, top-1 matches, summed loss] per held-out conversation
     for i in range(0, len(held_examples), max(1, cfg.batch)):
         target = run_target_batch(target_model, make_batch(held_examples[i: i + cfg.batch]), _layer_inputs([probe]))
         state = probe.rng.getstate()
-        loss, m = trainee_loss(fp32, probe, target, opts, parts)
-        losses, top1, rows = losses + loss.item() * m["rows"], top1 + m["top1"] * m["rows"], rows + m["rows"]
+        _, m = trainee_loss(fp32, probe, target, replace(opts, per_conversation=True), parts)
         per_conversation += m["per_conversation"]
         if job.kind == "moa":
             probe.rng.setstate(state)  # same chunks, memory shuffled
@@ -717,6 +716,7 @@ def evaluate(cfg: TrainConfig, drafter, parts, target_model, tokenizer, held, he
     answers = measure_tau(cfg, drafter, parts, target_model, tokenizer, held[: cfg.eval_prompts], job)
     tau, interval = accept_length(answers), accept_length_interval(answers)
     drafter.train()
+    rows, top1, losses = (sum(c[k] for c in per_conversation) for k in range(3))
     record = {"heldout": len(held), "heldout_loss": losses / max(1, rows), "heldout_top1": top1 / max(1, rows),
               "tau": tau, "tau_ci95": list(interval), "tau_prompts": min(cfg.eval_prompts, len(held)),
               "tau_answers": [[a.new_tokens, a.target_calls] for a in answers],
