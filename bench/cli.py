@@ -79,6 +79,9 @@ def _add_serve_bench_parser(sub) -> None:
     p.add_argument("--spec-bench", default=None, help="path to Spec-Bench question.jsonl")
     p.add_argument("--threads", type=int, default=None, help="the server's torch threads (default: torch's)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="the server's device (`serve --device`)")
+    p.add_argument("--client-processes", type=_at_least_one, default=1, metavar="P",
+                   help="spread each point's clients over up to P processes (default 1: threads of this one; "
+                        "on a GPU server with spare cores one process's interpreter lock can cap the clients)")
     p.add_argument("--out", default=None, help="also write the table to this file")
     p.set_defaults(func=cmd_serve_bench)
 
@@ -160,6 +163,17 @@ def cmd_offline_eval(args) -> None:
     from .offline_eval import cmd_offline_eval as run
 
     run(args)
+
+
+def _at_least_one(text: str) -> int:
+    """An argparse type: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
+    return value
 
 
 def _add_bench_parser(sub) -> None:

@@ -4,17 +4,22 @@ verification on and off, side by side in one run (issue 11).
 For each --max-batch value a `splitspec serve` child process starts (the same target, the same
 threads); for each client count, that many clients (threads of this process, each with its own
 gRPC channel, session and drafter) generate answers to Spec-Bench prompts for --seconds, one
-after another. Reported per (max_batch, clients): aggregate generated tokens/s, per-client
+after another. With --client-processes P the clients are spread over P child processes instead,
+so that their drafting and gRPC work is not held to one interpreter lock: on a GPU server with
+spare host cores (session 37, an H200: a 135M target's verify step is ~30 ms of host work) a
+16-thread client process is itself a bottleneck, and the table would measure it. Reported per (max_batch, clients): aggregate generated tokens/s, per-client
 tokens/s, p50/p99 latency of a Verify call as the client sees it (round trip), and ratios against
 one client and against unbatched serving. Clients and server share this machine's cores: the
 ratios within one run are the result, not the absolute figures.
 """
 from __future__ import annotations
 
+import multiprocessing
 import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -59,18 +64,22 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def run_clients(address: str, n: int, prompts: list[list[int]], drafter: DrafterSpec, fingerprint: str, target: str,
-                seconds: float, max_new_tokens: int) -> tuple[int, float, list[float], list[float]]:
-    """`n` clients answer prompts (each starting at its own offset) until `seconds` pass; returns
-    (tokens, elapsed s, per-client tokens/s, Verify round trips in ms)."""
+                seconds: float, max_new_tokens: int, offset: int = 0,
+                ready: Callable[[], None] | None = None) -> tuple[int, float, list[float], list[float]]:
+    """`n` clients (threads of this process) answer prompts, client i starting at prompt
+    `offset + i`, until `seconds` pass; returns (tokens, elapsed s, per-client tokens/s, Verify
+    round trips in ms). `ready`, when given, is called once every client is set up and before any
+    starts (the cross-process start of `run_client_processes`)."""
     tokens, rates, steps, errors = [0] * n, [0.0] * n, [], []
     lock = threading.Lock()
-    start_barrier = threading.Barrier(n + 1)
+    set_up, start = threading.Barrier(n + 1), threading.Barrier(n + 1)
 
     def client(i: int) -> None:
         verifier = RemoteVerifier(address)
         decoder = SpeculativeDecoder(verifier, make_drafter(drafter, target_fingerprint=fingerprint, target=target))
-        start_barrier.wait()
-        began, k = time.perf_counter(), i
+        set_up.wait()
+        start.wait()
+        began, k = time.perf_counter(), offset + i
         try:
             while time.perf_counter() - began < seconds:
                 prompt = prompts[k % len(prompts)]
@@ -91,13 +100,67 @@ def run_clients(address: str, n: int, prompts: list[list[int]], drafter: Drafter
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(n)]
     for t in threads:
         t.start()
-    start_barrier.wait()
+    set_up.wait()
+    if ready is not None:
+        ready()
+    start.wait()
     began = time.perf_counter()
     for t in threads:
         t.join()
     if errors:
         print(f"{len(errors)} answers refused ({', '.join(sorted(set(errors)))}); their clients went on", file=sys.stderr)
     return sum(tokens), time.perf_counter() - began, rates, steps
+
+
+def _client_process(results, start, address: str, n: int, offset: int, prompts: list[list[int]], drafter: str,
+                    fingerprint: str, target: str, seconds: float, max_new_tokens: int) -> None:
+    """One child of `run_client_processes`: `n` clients as threads; puts its `run_clients` result
+    (or the error that stopped it) on `results`."""
+    try:
+        out = run_clients(address, n, prompts, DrafterSpec.parse(drafter), fingerprint, target, seconds,
+                          max_new_tokens, offset=offset, ready=start.wait)
+    except BaseException as err:  # noqa: BLE001 - reported by the parent, which must not wait forever
+        start.abort()
+        results.put(("error", f"{type(err).__name__}: {err}"))
+        return
+    results.put(("ok", out))
+
+
+def run_client_processes(address: str, n: int, processes: int, prompts: list[list[int]], drafter: str,
+                         fingerprint: str, target: str, seconds: float,
+                         max_new_tokens: int) -> tuple[int, float, list[float], list[float]]:
+    """`run_clients` with the `n` clients spread as evenly as they go over min(processes, n) child
+    processes (spawned, each with its own interpreter lock), all started together once every
+    client is set up. Returns what `run_clients` returns, over all of them (elapsed: the longest).
+
+    Raises RuntimeError when a child fails or does not report within `seconds` + 120 s."""
+    procs = min(processes, n)
+    counts = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
+    ctx = multiprocessing.get_context("spawn")
+    results, start = ctx.Queue(), ctx.Barrier(procs)
+    children = [ctx.Process(target=_client_process, daemon=True,
+                            args=(results, start, address, c, sum(counts[:i]), prompts, drafter, fingerprint, target,
+                                  seconds, max_new_tokens))
+                for i, c in enumerate(counts)]
+    for child in children:
+        child.start()
+    outs = []
+    try:
+        for _ in children:
+            try:
+                status, out = results.get(timeout=seconds + 120)
+            except Exception as err:  # queue.Empty: a child died without reporting
+                raise RuntimeError(f"a client process did not report within {seconds + 120:g} s") from err
+            if status != "ok":
+                raise RuntimeError(f"a client process failed: {out}")
+            outs.append(out)
+    finally:
+        for child in children:
+            child.join(5)
+            if child.is_alive():
+                child.kill()
+    return (sum(o[0] for o in outs), max(o[1] for o in outs), [r for o in outs for r in o[2]],
+            [s for o in outs for s in o[3]])
 
 
 def cmd_serve_bench(args) -> None:
@@ -117,8 +180,13 @@ def cmd_serve_bench(args) -> None:
         try:
             run_clients(f"127.0.0.1:{port}", 1, prompts, drafter, fingerprint, args.target, 2.0, 8)  # warm-up
             for n in clients:
-                tokens, elapsed, rates, steps = run_clients(f"127.0.0.1:{port}", n, prompts, drafter, fingerprint,
-                                                            args.target, args.seconds, args.max_new_tokens)
+                if args.client_processes > 1:
+                    tokens, elapsed, rates, steps = run_client_processes(
+                        f"127.0.0.1:{port}", n, args.client_processes, prompts, args.drafter, fingerprint, args.target,
+                        args.seconds, args.max_new_tokens)
+                else:
+                    tokens, elapsed, rates, steps = run_clients(f"127.0.0.1:{port}", n, prompts, drafter, fingerprint,
+                                                                args.target, args.seconds, args.max_new_tokens)
                 results.append(ServeResult(max_batch, batching, n, tokens, elapsed, statistics.mean(rates),
                                            _percentile(steps, 0.5), _percentile(steps, 0.99)))
                 print(f"max-batch {results[-1].label}, {n} clients: {results[-1].tok_s:.1f} tokens/s",
@@ -134,12 +202,17 @@ def cmd_serve_bench(args) -> None:
         Path(args.out).write_text(table + "\n")
 
 
+def _processes_label(processes: int) -> str:
+    return "one process (threads)" if processes <= 1 else f"up to {processes} processes"
+
+
 def render(results: list[ServeResult], args) -> str:
     one = {r.label: r.tok_s for r in results if r.clients == 1}
     unbatched = {r.clients: r.tok_s for r in results if r.max_batch == 1}
     lines = [f"target {args.target}, drafter {args.drafter}, {args.seconds:g} s per point, up to "
              f"{args.max_new_tokens} tokens per answer, server on {args.device}, torch threads "
-             f"{args.threads or 'default'}",
+             f"{args.threads or 'default'}, clients in "
+             f"{_processes_label(getattr(args, 'client_processes', 1))}",
              "",
              "| max batch | clients | aggregate tokens/s | vs 1 client | vs unbatched | per-client tokens/s | "
              "step p50 ms | step p99 ms |",

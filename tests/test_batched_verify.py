@@ -207,7 +207,7 @@ def test_serve_bench_drives_concurrent_clients(stories, serve, stories_path):
     from types import SimpleNamespace
 
     from splitspec.bench.cli import parse_batch
-    from splitspec.bench.serve_bench import ServeResult, render, run_clients
+    from splitspec.bench.serve_bench import ServeResult, render, run_client_processes, run_clients
     from splitspec.shared.config import ServerLimits
     from splitspec.shared.drafters.spec import DrafterSpec
     from splitspec.shared.models import tokenizer_fingerprint
@@ -218,6 +218,13 @@ def test_serve_bench_drives_concurrent_clients(stories, serve, stories_path):
     tokens, elapsed, rates, steps = run_clients(server.address, 3, prompts, DrafterSpec.parse("ngram"),
                                                 tokenizer_fingerprint(tokenizer), str(stories_path), 1.0, 12)
     assert tokens > 0 and elapsed >= 1.0 and len(rates) == 3 and all(r > 0 for r in rates) and steps
+    # --client-processes: the same 3 clients over 2 spawned processes (2 + 1), reported as one point
+    tokens, elapsed, rates, steps = run_client_processes(server.address, 3, 2, prompts, "ngram",
+                                                         tokenizer_fingerprint(tokenizer), str(stories_path), 1.0, 12)
+    assert tokens > 0 and elapsed >= 1.0 and len(rates) == 3 and all(r > 0 for r in rates) and steps
+    with pytest.raises(RuntimeError, match="a client process failed: .*"):  # a child's error reaches the parent
+        run_client_processes(server.address, 2, 2, prompts, "no-such-drafter", tokenizer_fingerprint(tokenizer),
+                             str(stories_path), 1.0, 12)
     table = render([ServeResult(1, "ragged", 1, 100, 1.0, 100.0, 5.0, 9.0),
                     ServeResult(8, "ragged", 1, 110, 1.0, 110.0, 5.0, 9.0),
                     ServeResult(8, "padded", 1, 105, 1.0, 105.0, 5.0, 9.0),
@@ -229,7 +236,7 @@ def test_serve_bench_drives_concurrent_clients(stories, serve, stories_path):
     assert "| 8 | 8 | 480.0 | 4.36x | 2.40x |" in table and "measured 4.36x (max batch 8) -> met" in table
     assert "| 8 (padded) | 8 | 210.0 | 2.00x | 1.05x |" in table
     assert "measured 2.00x (max batch 8 (padded)) -> missed" in table
-    assert "server on cpu" in table
+    assert "server on cpu" in table and "clients in one process (threads)" in table
     assert [parse_batch(t) for t in ("1", "8", "8:padded", " 4:ragged")] == [
         (1, "ragged"), (8, "ragged"), (8, "padded"), (4, "ragged")]
     for bad in ("0", "x", "8:wide", "-1"):
@@ -242,6 +249,7 @@ def test_serve_bench_drives_concurrent_clients(stories, serve, stories_path):
     (["--clients", "four"], "expected comma-separated client counts"),
     (["--max-batch", "1,8:wide"], "--max-batch entries are N or N:ragged"),
     (["--seconds", "0"], "must be > 0"),
+    (["--client-processes", "0"], "must be >= 1"),
 ])
 def test_serve_bench_refuses_bad_flags_before_loading_anything(flags, message, capsys):
     """A mistyped serve-bench flag is an argparse error naming the flag, not a traceback after the

@@ -6,8 +6,8 @@
 # 0. tests/test_cuda.py: the greedy-equality and batched-verification tests with the target on CUDA
 #    (pytest and stories260K carried in .gpu-c; SPLITSPEC_TEST_DEVICE=cpu for a dry run here);
 # 1. serve-bench: 1, 4, 8, 16 concurrent clients against the server on CUDA, batching off and on
-#    (first: the one figure of issue 11 no GPU has given yet; it needs grpcio >= 1.85.1 in /tmp/site,
-#    tools/gpu_site.sh);
+#    (it needs grpcio >= 1.85.1 in /tmp/site, tools/gpu_site.sh; first measured on an H200 in
+#    session 37, with the clients as threads of one process: 8 clients 2.23x one client);
 # 2. SmolLM2-135M on CUDA, fp32 and bf16: verify-step time against tree size (1-25 positions),
 #    against the copy-bandwidth floor, and greedy agreement of tree verification with the same
 #    target's generate() on 6 Spec-Bench prompts (the lossless check on this device), and one verify
@@ -17,7 +17,7 @@
 # At most 8 files come back from $OUT: this writes 7.
 # Settings by environment (a dry run on a CPU: DEVICE=cpu SPLITSPEC_TEST_DEVICE=cpu SHAPE=llama-tiny CLIENTS=1,4
 # SECONDS=2 PROMPTS=1):
-# DEVICE SHAPE CLIENTS SECONDS PROMPTS.
+# DEVICE SHAPE CLIENTS SECONDS PROMPTS CLIENT_PROCS.
 set -u
 DEVICE=${DEVICE:-cuda}; SHAPE=${SHAPE:-llama-8b}; CLIENTS=${CLIENTS:-1,4,8,16}; SECONDS_PER=${SECONDS:-6}
 PROMPTS=${PROMPTS:-6}
@@ -30,8 +30,10 @@ log "tests/test_cuda.py"
 SPLITSPEC_STORIES=${SPLITSPEC_STORIES:-/tmp/gpu-c/stories260K/hf} timeout 240 python3 -m pytest -q -p no:cacheprovider \
   tests/test_cuda.py > "$OUT/test-cuda.log" 2>&1; log "rc=$? ($(tail -1 "$OUT/test-cuda.log"))"
 log "serve-bench"
+# clients in up to 8 processes: session 37's H200 run had them as threads of one process, whose
+# interpreter lock may have capped 8 clients at 2.23x one client (bench/serve_bench.py)
 timeout 200 splitspec serve-bench --device "$DEVICE" --clients "$CLIENTS" --max-batch 1,8 --seconds "$SECONDS_PER" \
-  --out "$OUT/serve-bench-$DEVICE.md" > "$OUT/serve-bench.log" 2>&1; log "rc=$?"
+  --client-processes "${CLIENT_PROCS:-8}" --out "$OUT/serve-bench-$DEVICE.md" > "$OUT/serve-bench.log" 2>&1; log "rc=$?"
 log "verify-cost smollm2-135m"
 timeout 150 splitspec verify-cost --device "$DEVICE" --prompts "$PROMPTS" --linear torch --repeats 20 --batches "$CLIENTS" \
   > "$OUT/verify-cost-smollm2-$DEVICE.md" 2>> "$OUT/checks.log"; log "rc=$?"
