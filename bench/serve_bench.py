@@ -69,16 +69,28 @@ def run_clients(address: str, n: int, prompts: list[list[int]], drafter: Drafter
     """`n` clients (threads of this process) answer prompts, client i starting at prompt
     `offset + i`, until `seconds` pass; returns (tokens, elapsed s, per-client tokens/s, Verify
     round trips in ms). `ready`, when given, is called once every client is set up and before any
-    starts (the cross-process start of `run_client_processes`)."""
+    starts (the cross-process start of `run_client_processes`).
+
+    Raises RuntimeError when a client cannot be set up (its drafter does not load): no client runs."""
     tokens, rates, steps, errors = [0] * n, [0.0] * n, [], []
     lock = threading.Lock()
     set_up, start = threading.Barrier(n + 1), threading.Barrier(n + 1)
 
     def client(i: int) -> None:
-        verifier = RemoteVerifier(address)
-        decoder = SpeculativeDecoder(verifier, make_drafter(drafter, target_fingerprint=fingerprint, target=target))
-        set_up.wait()
-        start.wait()
+        try:
+            verifier = RemoteVerifier(address)
+            decoder = SpeculativeDecoder(verifier, make_drafter(drafter, target_fingerprint=fingerprint, target=target))
+        except Exception as err:  # a drafter that cannot load: stop every client, not wait for this one
+            with lock:
+                errors.append(f"set-up: {type(err).__name__}: {err}")
+            set_up.abort()
+            return
+        try:
+            set_up.wait()
+            start.wait()
+        except threading.BrokenBarrierError:  # another client (or process) failed to set up
+            verifier.close()
+            return
         began, k = time.perf_counter(), offset + i
         try:
             while time.perf_counter() - began < seconds:
@@ -100,9 +112,18 @@ def run_clients(address: str, n: int, prompts: list[list[int]], drafter: Drafter
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(n)]
     for t in threads:
         t.start()
-    set_up.wait()
+    try:
+        set_up.wait()
+    except threading.BrokenBarrierError:
+        start.abort()
+        raise RuntimeError(f"a client could not be set up ({'; '.join(e for e in errors if e.startswith('set-up'))})") \
+            from None
     if ready is not None:
-        ready()
+        try:
+            ready()
+        except BaseException:  # the other processes' clients did not start: neither do these
+            start.abort()
+            raise
     start.wait()
     began = time.perf_counter()
     for t in threads:

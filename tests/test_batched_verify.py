@@ -218,6 +218,9 @@ def test_serve_bench_drives_concurrent_clients(stories, serve, stories_path):
     tokens, elapsed, rates, steps = run_clients(server.address, 3, prompts, DrafterSpec.parse("ngram"),
                                                 tokenizer_fingerprint(tokenizer), str(stories_path), 1.0, 12)
     assert tokens > 0 and elapsed >= 1.0 and len(rates) == 3 and all(r > 0 for r in rates) and steps
+    with pytest.raises(RuntimeError, match="could not be set up"):  # a drafter that does not load stops them all
+        run_clients(server.address, 2, prompts, DrafterSpec.parse("moa:/no/such/checkpoint"),
+                    tokenizer_fingerprint(tokenizer), str(stories_path), 1.0, 12)
     # --client-processes: the same 3 clients over 2 spawned processes (2 + 1), reported as one point
     tokens, elapsed, rates, steps = run_client_processes(server.address, 3, 2, prompts, "ngram",
                                                          tokenizer_fingerprint(tokenizer), str(stories_path), 1.0, 12)
