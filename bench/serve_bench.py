@@ -7,10 +7,11 @@ gRPC channel, session and drafter) generate answers to Spec-Bench prompts for --
 after another. With --client-processes P the clients are spread over P child processes instead,
 so that their drafting and gRPC work is not held to one interpreter lock: on a GPU server with
 spare host cores (session 37, an H200: a 135M target's verify step is ~30 ms of host work) a
-16-thread client process is itself a bottleneck, and the table would measure it. Reported per (max_batch, clients): aggregate generated tokens/s, per-client
-tokens/s, p50/p99 latency of a Verify call as the client sees it (round trip), and ratios against
-one client and against unbatched serving. Clients and server share this machine's cores: the
-ratios within one run are the result, not the absolute figures.
+16-thread client process may itself be the bottleneck the table measures. Reported per
+(max_batch, clients): aggregate generated tokens/s, per-client tokens/s, p50/p99 latency of a
+Verify call as the client sees it (round trip), and ratios against one client and against
+unbatched serving. Clients and server share this machine's cores: the ratios within one run are
+the result, not the absolute figures.
 """
 from __future__ import annotations
 
