@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,12 @@ import torch
 from .packed_linear import pack_linears
 
 log = logging.getLogger(__name__)
+
+# transformers' `from_pretrained` swaps class attributes for the length of a load (5.24's
+# `no_tie_weights` sets `PreTrainedModel.tie_weights` to a no-op and puts the saved one back), so two
+# loads in threads of one process can put the no-op back for good: every later model then keeps its
+# tied LM head on the meta device ("Cannot copy out of meta tensor"). Loads take this lock.
+MODEL_LOAD_LOCK = threading.RLock()
 
 DEFAULT_TARGET = "smollm2-135m"
 # For tokenizers without a chat template (base models such as stories260K): one line per turn.
@@ -132,7 +139,8 @@ def _convert_gguf(folder: Path, gguf_file: str, target: Path, model_id: str, sou
 
     log.info("converting %s from GGUF (one time)", gguf_file)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+    with MODEL_LOAD_LOCK:
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
     model.hf_quantizer = None  # the weights are dequantized now; saving needs no GGUF bookkeeping
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -285,6 +293,7 @@ def load_model(name: str, *, device: str = "cpu", dtype: str | torch.dtype = "fl
     On the CPU its linear layers are prepacked for oneDNN (`linear`, see shared/packed_linear.py:
     "auto", "onednn" or "torch" for transformers' own `nn.Linear`). On CUDA, SDPA stops choosing
     cuDNN's attention for the whole process unless $SPLITSPEC_CUDNN_ATTENTION=1 (`use_cudnn_attention`).
+    Thread-safe: loads in one process run one at a time (MODEL_LOAD_LOCK).
 
     Returns:
         (model, tokenizer, model_id)
@@ -299,7 +308,8 @@ def load_model(name: str, *, device: str = "cpu", dtype: str | torch.dtype = "fl
     spec = ModelSpec.parse(name)
     path, model_id = resolve(spec.source)
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
+    with MODEL_LOAD_LOCK:  # one load at a time per process: see MODEL_LOAD_LOCK
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
     if spec.layers is not None:
         early_exit(model, spec.layers)
         model_id = f"{model_id}@layers={spec.layers}"

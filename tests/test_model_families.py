@@ -119,3 +119,36 @@ def test_a_transformers_that_would_ignore_cache_is_refused():
     for fine in ("5.24.0", "5.30.0.dev0", "6.0.0rc1"):
         check_transformers(fine)
     check_transformers()  # the installed one
+
+
+def test_loads_in_threads_of_one_process_leave_every_model_whole(stories_path):
+    """Clients set up in threads (serve-bench, the daemon) load models at the same time. transformers
+    swaps `PreTrainedModel.tie_weights` for a no-op during a load; two loads at once could leave the
+    no-op in place, and every later model then kept its tied LM head on the meta device (CI, session
+    37). Four loads at once, twice: all whole, tied, and the class left as it was."""
+    import threading
+
+    from transformers.modeling_utils import PreTrainedModel
+
+    from splitspec.shared.models import load_model
+
+    tie_weights = PreTrainedModel.tie_weights
+    for _ in range(2):
+        models, errors = [], []
+
+        def load() -> None:
+            try:
+                models.append(load_model(f"{stories_path}@layers=3")[0])
+            except Exception as err:  # noqa: BLE001 - reported by the assertion below
+                errors.append(err)
+
+        threads = [threading.Thread(target=load) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors and len(models) == 4
+        assert PreTrainedModel.tie_weights is tie_weights
+        for model in models:
+            assert all(p.device.type == "cpu" for p in model.parameters())
+            assert model.lm_head.weight is model.model.embed_tokens.weight
