@@ -28,8 +28,8 @@ import grpc
 from splitspec.client.drafters.factory import make_drafter
 from splitspec.client.loop import SpeculativeDecoder
 from splitspec.client.transport import RemoteVerifier
-from splitspec.shared.drafters.spec import DrafterSpec
-from splitspec.shared.models import encode_chat, load_tokenizer, tokenizer_fingerprint
+from splitspec.shared.drafters.spec import SELF_DRAFTING, DrafterSpec
+from splitspec.shared.models import encode_chat, load_model, load_tokenizer, tokenizer_fingerprint
 
 from .prompts import load_prompts
 from .service_process import free_port, start_server, stop_server
@@ -70,17 +70,27 @@ def run_clients(address: str, n: int, prompts: list[list[int]], drafter: Drafter
     """`n` clients (threads of this process) answer prompts, client i starting at prompt
     `offset + i`, until `seconds` pass; returns (tokens, elapsed s, per-client tokens/s, Verify
     round trips in ms). `ready`, when given, is called once every client is set up and before any
-    starts (the cross-process start of `run_client_processes`).
+    starts (the cross-process start of `run_client_processes`). A drafter built on the target's
+    frozen parts (moa, eagle2, falcon, tokenswift) gets them from one copy of the target loaded
+    here for all `n` clients, read-only, rather than from `n` copies loaded one after another.
 
-    Raises RuntimeError when a client cannot be set up (its drafter does not load): no client runs."""
+    Raises RuntimeError when a client cannot be set up (its drafter or the target does not load):
+    no client runs."""
     tokens, rates, steps, errors = [0] * n, [0.0] * n, [], []
+    target_model = None
+    if drafter.resolve(target).kind in SELF_DRAFTING:
+        try:
+            target_model = load_model(target)[0]
+        except Exception as err:  # noqa: BLE001 - reported as a set-up failure, like a drafter's
+            raise RuntimeError(f"a client could not be set up (target: {type(err).__name__}: {err})") from None
     lock = threading.Lock()
     set_up, start = threading.Barrier(n + 1), threading.Barrier(n + 1)
 
     def client(i: int) -> None:
         try:
             verifier = RemoteVerifier(address)
-            decoder = SpeculativeDecoder(verifier, make_drafter(drafter, target_fingerprint=fingerprint, target=target))
+            decoder = SpeculativeDecoder(verifier, make_drafter(drafter, target_fingerprint=fingerprint, target=target,
+                                                                target_model=target_model))
         except Exception as err:  # a drafter that cannot load: stop every client, not wait for this one
             with lock:
                 errors.append(f"set-up: {type(err).__name__}: {err}")

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from splitspec.server.runner import TargetRunner
+from splitspec.shared.models import load_model
 from splitspec.shared.features import FeatureRequest
 from splitspec.shared.sampling import SamplingParams
 from splitspec.shared.tree import DraftTree
@@ -201,7 +202,7 @@ def test_the_service_batches_concurrent_sessions_and_stays_exact(stories, serve,
         assert set(server.servicer.batch_sizes) == {1}, server.servicer.batch_sizes
 
 
-def test_serve_bench_drives_concurrent_clients(stories, serve, stories_path):
+def test_serve_bench_drives_concurrent_clients(stories, serve, stories_path, tmp_path, monkeypatch):
     """The serve-bench's client driver: n clients with their own sessions share the service for a
     fixed time; the table reports each point against one client and against unbatched serving."""
     from types import SimpleNamespace
@@ -221,6 +222,9 @@ def test_serve_bench_drives_concurrent_clients(stories, serve, stories_path):
     with pytest.raises(RuntimeError, match="could not be set up"):  # a drafter that does not load stops them all
         run_clients(server.address, 2, prompts, DrafterSpec.parse("moa:/no/such/checkpoint"),
                     tokenizer_fingerprint(tokenizer), str(stories_path), 1.0, 12)
+    with pytest.raises(RuntimeError, match=r"could not be set up \(target: "):  # nor does a target that does not
+        run_clients(server.address, 2, prompts, DrafterSpec.parse("moa"), tokenizer_fingerprint(tokenizer),
+                    str(tmp_path / "no-such-target"), 1.0, 12)
     # --client-processes: the same 3 clients over 2 spawned processes (2 + 1), reported as one point
     tokens, elapsed, rates, steps = run_client_processes(server.address, 3, 2, prompts, "ngram",
                                                          tokenizer_fingerprint(tokenizer), str(stories_path), 1.0, 12)
@@ -295,3 +299,38 @@ def test_tree_attention_on_a_cpu_skips_repeating_grouped_keys(monkeypatch):
         logits[flag] = model(input_ids=ids, attention_mask=mask).logits
         assert set(calls) == {flag}, calls
     torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=1e-5)
+
+
+def test_serve_bench_clients_share_one_copy_of_the_target(stories, serve, stories_path, tmp_path, monkeypatch):
+    """Clients whose drafter is built on the target's frozen parts (here a moa checkpoint, untrained)
+    take them from one target loaded by `run_clients`, not one load per client thread."""
+    from splitspec.bench import serve_bench
+    from splitspec.client.drafters import factory
+    from splitspec.shared.config import ServerLimits
+    from splitspec.shared.drafters.checkpoint import TargetIdentity, save_checkpoint
+    from splitspec.shared.drafters.moa import MoAConfig, MoADrafter
+    from splitspec.shared.drafters.spec import DrafterSpec
+    from splitspec.shared.models import tokenizer_fingerprint
+
+    model, tokenizer, model_id = stories
+    torch.manual_seed(0)
+    save_checkpoint(tmp_path / "moa", "moa", MoADrafter(MoAConfig.from_target(model.config, tli=0)),
+                    TargetIdentity.of(model, tokenizer, model_id), {})
+    loads = []
+
+    def counted(name, **kwargs):
+        loads.append(name)
+        return load_model(name, **kwargs)
+
+    def refused(name, **kwargs):
+        raise AssertionError(f"a client loaded its own copy of {name}")
+
+    monkeypatch.setattr(serve_bench, "load_model", counted)
+    monkeypatch.setattr(factory, "load_model", refused)
+    server = serve(TargetRunner(model, tokenizer, model_id), ServerLimits(max_batch=4))
+    prompts = [tokenizer(t)["input_ids"] for t in ("Once upon a time", "The dog")]
+    tokens, elapsed, rates, steps = serve_bench.run_clients(
+        server.address, 3, prompts, DrafterSpec.parse(f"moa:{tmp_path / 'moa'};vocab=0"),
+        tokenizer_fingerprint(tokenizer), str(stories_path), 1.0, 12)
+    assert loads == [str(stories_path)]
+    assert tokens > 0 and len(rates) == 3 and all(r > 0 for r in rates) and steps
