@@ -5,11 +5,12 @@
 # carries a folder copies it to /tmp and the last call links them back). In one command of < 10 min:
 # 1. for DISTILL_S seconds, extend the later-turn answers (data/smollm2-answers-later-cuda.jsonl.gz,
 #    resumed; the first-turn prompts of <= 256 tokens are all answered since session 24);
-# 2. fine-tune moa (tli 0) and eagle2 from .gpu-c/init on every distilled file for TRAIN_MIN minutes,
-#    the lr decay and staircase on the clock (--time-schedule);
+# 2. fine-tune DRAFTERS (default moa,eagle2: moa at tli 0) from INIT (default .gpu-c/init, the shipped
+#    checkpoints) on every distilled file for TRAIN_MIN minutes, the lr decay and staircase on the
+#    clock (--time-schedule); DRAFTERS=moa,eagle2,moa:tli=1 continues the shipped moa-tli1 as well;
 # 3. copy what must survive under $OUT after each phase (at most 8 files of 16 MB come back), with
 #    train-profile.txt: torch.profiler over training steps 2-4 (operators by CUDA time, peak memory).
-# Settings by environment: DEVICE DISTILL_S DBATCH TRAIN_MIN BATCH LR STAIRCASE MAXLEN EVALP R.
+# Settings by environment: DEVICE DISTILL_S DBATCH TRAIN_MIN BATCH LR STAIRCASE MAXLEN EVALP R DRAFTERS INIT.
 # LR and STAIRCASE default to a continuation's (sessions 31-35, docs/training.md): the shipped pair
 # is past its start, so lr 1.5e-4 (between the CPU runs' 1e-4 and 2e-4 at this batch of 32; session
 # 26's 3e-4 was the pair at 10M tokens) and no staircase (the SA ramp is for a drafter from scratch;
@@ -18,6 +19,7 @@ set -u
 T0=$(date +%s)
 DEVICE=${DEVICE:-cuda}; DISTILL_S=${DISTILL_S:-150}; DBATCH=${DBATCH:-384}; TRAIN_MIN=${TRAIN_MIN:-4.3}
 BATCH=${BATCH:-32}; LR=${LR:-1.5e-4}; STAIRCASE=${STAIRCASE:-0.0}; MAXLEN=${MAXLEN:-1024}; EVALP=${EVALP:-2}
+DRAFTERS=${DRAFTERS:-moa,eagle2}; INIT=${INIT:-.gpu-c/init}
 R=${R:-/tmp/run}; mkdir -p "$R" "$OUT"
 log() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/job.log"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv >> "$OUT/job.log" 2>&1
@@ -36,12 +38,12 @@ fi
 
 DATA=$(ls .gpu-b/data/*.jsonl.gz | grep -v "/$GROWN.gz$" | paste -sd, -),$R/$GROWN
 train() {  # $1 dtype, $2 minutes, $3 run folder
-  timeout $(python3 -c "print(int($2 * 60 + 150))") splitspec train --drafter moa,eagle2 --device "$DEVICE" \
-    --dtype "$1" --init .gpu-c/init --data "$DATA" --max-len "$MAXLEN" --batch "$BATCH" --lr "$LR" --staircase "$STAIRCASE" \
+  timeout $(python3 -c "print(int($2 * 60 + 150))") splitspec train --drafter "$DRAFTERS" --device "$DEVICE" \
+    --dtype "$1" --init "$INIT" --data "$DATA" --max-len "$MAXLEN" --batch "$BATCH" --lr "$LR" --staircase "$STAIRCASE" \
     --epochs 200 --max-tokens 100000000 --max-minutes "$2" --time-schedule --eval-every 1000000 \
     --eval-prompts "$EVALP" --heldout 16 --profile-steps 3 --out "$3" > "$3.log" 2>&1
 }
-log "train start (${TRAIN_MIN} min, batch $BATCH, lr $LR, staircase $STAIRCASE, max-len $MAXLEN; data $DATA)"
+log "train start ($DRAFTERS from $INIT, ${TRAIN_MIN} min, batch $BATCH, lr $LR, staircase $STAIRCASE, max-len $MAXLEN; data $DATA)"
 T1=$(date +%s); train bfloat16 "$TRAIN_MIN" "$R/train"; rc=$?
 log "train rc=$rc"
 if [ $rc -ne 0 ]; then  # out of memory (any time): half the batch; another early failure under autocast: fp32
@@ -54,9 +56,11 @@ if [ $rc -ne 0 ]; then  # out of memory (any time): half the batch; another earl
     log "retry in float32 for $left min"; rm -rf "$R/train"; train float32 "$left" "$R/train"; log "train rc=$?"
   fi
 fi
-tr '\r' '\n' < "$R/train.log" | grep -v "^train moa" | tail -c 6000 > "$OUT/train.log"
-tr '\r' '\n' < "$R/train.log" | grep "^train moa" | tail -3 >> "$OUT/train.log"
-for n in moa-tli0 eagle2; do cp "$R/train/$n/model.safetensors" "$OUT/$n.safetensors" 2>/dev/null; done
+tr '\r' '\n' < "$R/train.log" | grep -v "^train " | tail -c 6000 > "$OUT/train.log"
+tr '\r' '\n' < "$R/train.log" | grep "^train " | tail -3 >> "$OUT/train.log"
+for d in "$R"/train/*/; do  # one folder per drafter trained (moa-tli0, eagle2, moa-tli1, ...)
+  [ -f "$d/model.safetensors" ] && cp "$d/model.safetensors" "$OUT/$(basename "$d").safetensors"
+done
 cp "$R/train/profile.txt" "$OUT/train-profile.txt" 2>/dev/null  # where the step time went (--profile-steps)
 tar czf "$OUT/small.tgz" -C "$R" --exclude='*.safetensors' --exclude='*.pt' train 2>/dev/null
 log "done"

@@ -4,10 +4,11 @@
 #   .gpu-b/wheels  transformers >= 5.24 and the versions it checks at import (the GPU image's 5.17
 #                  would take `cache=` silently into **kwargs: shared/models.check_transformers)
 #   .gpu-b/data    the distilled answers, gzipped
-#   .gpu-c/init    the shipped moa-tli0 and eagle2 checkpoints (the fine-tuning start)
+#   .gpu-c/init    the shipped moa-tli0, eagle2 and moa-tli1 checkpoints (the fine-tuning start)
 #   .gpu-c/wheels  the venv's grpcio: the GPU image's 1.84 refuses the generated stubs (they need
 #                  >= 1.85.1), which stopped serve-bench there in session 26 (.gpu-b has no room left);
-#                  and pytest with its dependencies, for tests/test_cuda.py (tools/gpu_checks.sh)
+#                  and pytest (with pytest-timeout, which pyproject's timeout setting names) and their
+#                  dependencies, for tests/test_cuda.py (tools/gpu_checks.sh)
 #   .gpu-c/stories260K  the tiny real Llama the tests use (../shared/models/stories260K)
 #   .gpu-c/job.sh  tools/gpu_job.sh
 #   .gpu-c/question.jsonl  Spec-Bench's prompts, for tools/gpu_checks.sh
@@ -31,11 +32,12 @@ mkdir -p .gpu-b/wheels .gpu-b/data .gpu-c/init .gpu-c/wheels
   "grpcio==$("$py" -c 'import grpc; print(grpc.__version__)')" 2>&1 | grep -vi warning || true
 "$py" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu-c/wheels \
-  "pytest==$("$py" -c 'import pytest; print(pytest.__version__)')" 2>&1 | grep -vi warning || true
+  "pytest==$("$py" -c 'import pytest; print(pytest.__version__)')" \
+  "pytest-timeout==$("$py" -c 'from importlib.metadata import version; print(version("pytest-timeout"))')" 2>&1 | grep -vi warning || true
 cp -r "$root/../shared/models/stories260K" .gpu-c/
 for f in data/smollm2-answers*.jsonl; do gzip -c "$f" > ".gpu-b/data/$(basename "$f").gz"; done
 cp data/smollm2-answers*.jsonl.gz .gpu-b/data/
-cp -r client/checkpoints/smollm2-135m/moa-tli0 client/checkpoints/smollm2-135m/eagle2 .gpu-c/init/
+cp -r client/checkpoints/smollm2-135m/{moa-tli0,eagle2,moa-tli1} .gpu-c/init/
 cp tools/gpu_job.sh .gpu-c/job.sh
 cp "$root/../shared/data/spec_bench/question.jsonl" .gpu-c/  # tools/gpu_checks.sh's prompts (no ../shared there)
 du -sh .gpu-a .gpu-b .gpu-c
