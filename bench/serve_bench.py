@@ -250,9 +250,9 @@ def render(results: list[ServeResult], args) -> str:
              "step p50 ms | step p99 ms |",
              "|---|---|---|---|---|---|---|---|"]
     for r in results:
-        vs_one = r.tok_s / one[r.label] if one.get(r.label) else float("nan")
-        vs_unbatched = r.tok_s / unbatched[r.clients] if unbatched.get(r.clients) else float("nan")
-        lines.append(f"| {r.label} | {r.clients} | {r.tok_s:.1f} | {vs_one:.2f}x | {vs_unbatched:.2f}x | "
+        vs_one = f"{r.tok_s / one[r.label]:.2f}x" if one.get(r.label) else "-"  # no 1-client point in the run
+        vs_unbatched = f"{r.tok_s / unbatched[r.clients]:.2f}x" if unbatched.get(r.clients) else "-"  # no max-batch 1
+        lines.append(f"| {r.label} | {r.clients} | {r.tok_s:.1f} | {vs_one} | {vs_unbatched} | "
                      f"{r.per_client_tok_s:.1f} | {r.step_ms_p50:.1f} | {r.step_ms_p99:.1f} |")
     goal = [r for r in results if r.clients == 8 and r.max_batch > 1]
     if goal:

@@ -244,6 +244,10 @@ def test_serve_bench_drives_concurrent_clients(stories, serve, stories_path, tmp
     assert "| 8 (padded) | 8 | 210.0 | 2.00x | 1.05x |" in table
     assert "measured 2.00x (max batch 8 (padded)) -> missed" in table
     assert "server on cpu" in table and "clients in one process (threads)" in table
+    alone = render([ServeResult(8, "ragged", 4, 280, 1.0, 70.0, 9.0, 20.0)],  # no 1-client, no unbatched point
+                   SimpleNamespace(target="t", drafter="ngram", seconds=1.0, max_new_tokens=12, threads=1,
+                                   device="cpu"))
+    assert "| 8 | 4 | 280.0 | - | - | 70.0 |" in alone and "nan" not in alone
     assert [parse_batch(t) for t in ("1", "8", "8:padded", " 4:ragged")] == [
         (1, "ragged"), (8, "ragged"), (8, "padded"), (4, "ragged")]
     for bad in ("0", "x", "8:wide", "-1"):
