@@ -64,25 +64,35 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
+def shared_target(drafter: DrafterSpec, target: str):
+    """The target model whose frozen parts `drafter`'s clients share (loaded once, read-only), or
+    None for a drafter not built on them (ngram, none, a draft model; swift, whose clients each
+    load their own copy of the target, as before).
+
+    Raises RuntimeError when the target does not load (a set-up failure, like a drafter's)."""
+    if drafter.resolve(target).kind not in SELF_DRAFTING:
+        return None
+    try:
+        return load_model(target)[0]
+    except Exception as err:  # noqa: BLE001 - reported as a set-up failure
+        raise RuntimeError(f"a client could not be set up (target: {type(err).__name__}: {err})") from None
+
+
 def run_clients(address: str, n: int, prompts: list[list[int]], drafter: DrafterSpec, fingerprint: str, target: str,
-                seconds: float, max_new_tokens: int, offset: int = 0,
-                ready: Callable[[], None] | None = None) -> tuple[int, float, list[float], list[float]]:
+                seconds: float, max_new_tokens: int, offset: int = 0, ready: Callable[[], None] | None = None,
+                target_model=None) -> tuple[int, float, list[float], list[float]]:
     """`n` clients (threads of this process) answer prompts, client i starting at prompt
     `offset + i`, until `seconds` pass; returns (tokens, elapsed s, per-client tokens/s, Verify
     round trips in ms). `ready`, when given, is called once every client is set up and before any
     starts (the cross-process start of `run_client_processes`). A drafter built on the target's
-    frozen parts (moa, eagle2, falcon, tokenswift) gets them from one copy of the target loaded
-    here for all `n` clients, read-only, rather than from `n` copies loaded one after another.
+    frozen parts (moa, eagle2, falcon, tokenswift) gets them from one copy of the target for all
+    `n` clients, read-only: `target_model` when given, else `shared_target` loads it here.
 
     Raises RuntimeError when a client cannot be set up (its drafter or the target does not load):
     no client runs."""
     tokens, rates, steps, errors = [0] * n, [0.0] * n, [], []
-    target_model = None
-    if drafter.resolve(target).kind in SELF_DRAFTING:
-        try:
-            target_model = load_model(target)[0]
-        except Exception as err:  # noqa: BLE001 - reported as a set-up failure, like a drafter's
-            raise RuntimeError(f"a client could not be set up (target: {type(err).__name__}: {err})") from None
+    if target_model is None:
+        target_model = shared_target(drafter, target)
     lock = threading.Lock()
     set_up, start = threading.Barrier(n + 1), threading.Barrier(n + 1)
 
@@ -202,6 +212,7 @@ def cmd_serve_bench(args) -> None:
     texts = load_prompts(["spec_bench"], args.limit, args.spec_bench)
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": p["text"]}]) for p in texts]
     drafter = DrafterSpec.parse(args.drafter)
+    target_model = shared_target(drafter, args.target)  # once for every point run in this process
     results: list[ServeResult] = []
     for max_batch, batching in batches:
         port = free_port()
@@ -210,7 +221,8 @@ def cmd_serve_bench(args) -> None:
                                                         "--device", args.device],
                               threads=args.threads)
         try:
-            run_clients(f"127.0.0.1:{port}", 1, prompts, drafter, fingerprint, args.target, 2.0, 8)  # warm-up
+            run_clients(f"127.0.0.1:{port}", 1, prompts, drafter, fingerprint, args.target, 2.0, 8,  # warm-up
+                        target_model=target_model)
             for n in clients:
                 if args.client_processes > 1:
                     tokens, elapsed, rates, steps = run_client_processes(
@@ -218,7 +230,8 @@ def cmd_serve_bench(args) -> None:
                         args.seconds, args.max_new_tokens)
                 else:
                     tokens, elapsed, rates, steps = run_clients(f"127.0.0.1:{port}", n, prompts, drafter, fingerprint,
-                                                                args.target, args.seconds, args.max_new_tokens)
+                                                                args.target, args.seconds, args.max_new_tokens,
+                                                                target_model=target_model)
                 results.append(ServeResult(max_batch, batching, n, tokens, elapsed, statistics.mean(rates),
                                            _percentile(steps, 0.5), _percentile(steps, 0.99)))
                 print(f"max-batch {results[-1].label}, {n} clients: {results[-1].tok_s:.1f} tokens/s",

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from splitspec.server.runner import TargetRunner
-from splitspec.shared.models import load_model
 from splitspec.shared.features import FeatureRequest
+from splitspec.shared.models import load_model
 from splitspec.shared.sampling import SamplingParams
 from splitspec.shared.tree import DraftTree
 
@@ -202,7 +202,7 @@ def test_the_service_batches_concurrent_sessions_and_stays_exact(stories, serve,
         assert set(server.servicer.batch_sizes) == {1}, server.servicer.batch_sizes
 
 
-def test_serve_bench_drives_concurrent_clients(stories, serve, stories_path, tmp_path, monkeypatch):
+def test_serve_bench_drives_concurrent_clients(stories, serve, stories_path, tmp_path):
     """The serve-bench's client driver: n clients with their own sessions share the service for a
     fixed time; the table reports each point against one client and against unbatched serving."""
     from types import SimpleNamespace
@@ -338,3 +338,7 @@ def test_serve_bench_clients_share_one_copy_of_the_target(stories, serve, storie
         tokenizer_fingerprint(tokenizer), str(stories_path), 1.0, 12)
     assert loads == [str(stories_path)]
     assert tokens > 0 and len(rates) == 3 and all(r > 0 for r in rates) and steps
+    tokens, *_ = serve_bench.run_clients(  # a target handed in (serve-bench's, loaded once per run) is not loaded again
+        server.address, 2, prompts, DrafterSpec.parse(f"moa:{tmp_path / 'moa'};vocab=0"),
+        tokenizer_fingerprint(tokenizer), str(stories_path), 1.0, 12, target_model=model)
+    assert loads == [str(stories_path)] and tokens > 0
