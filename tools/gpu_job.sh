@@ -7,7 +7,8 @@
 #    resumed; the first-turn prompts of <= 256 tokens are all answered since session 24);
 # 2. fine-tune DRAFTERS (default moa,eagle2: moa at tli 0) from INIT (default .gpu-c/init, the shipped
 #    checkpoints) on every distilled file for TRAIN_MIN minutes, the lr decay and staircase on the
-#    clock (--time-schedule); DRAFTERS=moa,eagle2,moa:tli=1 continues the shipped moa-tli1 as well;
+#    clock (--time-schedule); DRAFTERS=moa,eagle2,moa:tli=1 INIT=.gpu-c/init,moa-tli1=.gpu-d/moa-tli1
+#    continues the shipped moa-tli1 as well (tools/gpu_prepare.sh with WITH_TLI1=1 builds .gpu-d);
 # 3. copy what must survive under $OUT after each phase (at most 8 files of 16 MB come back), with
 #    train-profile.txt: torch.profiler over training steps 2-4 (operators by CUDA time, peak memory).
 # Settings by environment: DEVICE DISTILL_S DBATCH TRAIN_MIN BATCH LR STAIRCASE MAXLEN EVALP R DRAFTERS INIT.

@@ -4,7 +4,7 @@
 #   .gpu-b/wheels  transformers >= 5.24 and the versions it checks at import (the GPU image's 5.17
 #                  would take `cache=` silently into **kwargs: shared/models.check_transformers)
 #   .gpu-b/data    the distilled answers, gzipped
-#   .gpu-c/init    the shipped moa-tli0, eagle2 and moa-tli1 checkpoints (the fine-tuning start)
+#   .gpu-c/init    the shipped moa-tli0 and eagle2 checkpoints (the fine-tuning start)
 #   .gpu-c/wheels  the venv's grpcio: the GPU image's 1.84 refuses the generated stubs (they need
 #                  >= 1.85.1), which stopped serve-bench there in session 26 (.gpu-b has no room left);
 #                  and pytest (with pytest-timeout, which pyproject's timeout setting names) and their
@@ -12,6 +12,9 @@
 #   .gpu-c/stories260K  the tiny real Llama the tests use (../shared/models/stories260K)
 #   .gpu-c/job.sh  tools/gpu_job.sh
 #   .gpu-c/question.jsonl  Spec-Bench's prompts, for tools/gpu_checks.sh
+#   .gpu-d/moa-tli1  only with WITH_TLI1=1: the shipped moa-tli1, for DRAFTERS=moa,eagle2,moa:tli=1
+#                  (tools/gpu_job.sh). It has no room in .gpu-c (58 MB without it), so it travels in a
+#                  fourth call before .gpu-c's, carry [".gpu-d"], `rm -rf /tmp/gpu-d && cp -r .gpu-d /tmp/gpu-d`.
 # Run from the checkout with `../shared/gpu/slim.sh on` first (and `off` before any commit).
 # Each folder must stay under the 64 MiB a transfer carries (printed at the end).
 set -euo pipefail
@@ -37,7 +40,9 @@ mkdir -p .gpu-b/wheels .gpu-b/data .gpu-c/init .gpu-c/wheels
 cp -r "$root/../shared/models/stories260K" .gpu-c/
 for f in data/smollm2-answers*.jsonl; do gzip -c "$f" > ".gpu-b/data/$(basename "$f").gz"; done
 cp data/smollm2-answers*.jsonl.gz .gpu-b/data/
-cp -r client/checkpoints/smollm2-135m/{moa-tli0,eagle2,moa-tli1} .gpu-c/init/
+cp -r client/checkpoints/smollm2-135m/moa-tli0 client/checkpoints/smollm2-135m/eagle2 .gpu-c/init/
+rm -rf .gpu-d
+if [ "${WITH_TLI1:-0}" = 1 ]; then mkdir -p .gpu-d && cp -r client/checkpoints/smollm2-135m/moa-tli1 .gpu-d/; fi
 cp tools/gpu_job.sh .gpu-c/job.sh
 cp "$root/../shared/data/spec_bench/question.jsonl" .gpu-c/  # tools/gpu_checks.sh's prompts (no ../shared there)
-du -sh .gpu-a .gpu-b .gpu-c
+du -sh .gpu-a .gpu-b .gpu-c $([ -d .gpu-d ] && echo .gpu-d)

@@ -9,6 +9,7 @@
 set -euo pipefail
 ln -sfn /tmp/gpu-a .gpu-a
 ln -sfn /tmp/gpu-b .gpu-b
+if [ -d /tmp/gpu-d ]; then ln -sfn /tmp/gpu-d .gpu-d; fi  # WITH_TLI1=1 in tools/gpu_prepare.sh
 rm -rf /tmp/gpu-c && cp -r .gpu-c /tmp/gpu-c
 mkdir -p /tmp/site
 python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .gpu-b/wheels/*.whl .gpu-c/wheels/*.whl
