@@ -64,6 +64,9 @@ def _add_service_args(p: argparse.ArgumentParser) -> None:
                    help="how steps share a forward: ragged (trees end to end, attention per session against its own "
                         "cache; used where the target's attention is SDPA's, else padded) or padded (caches copied "
                         "into rows padded to the longest; kept for comparison)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="run one-session verify steps of up to 64 rows as fixed-shape forwards replayed from CUDA "
+                        "graphs (server/graphs.py; --device cuda only; batched steps stay eager)")
     p.add_argument("--keepalive", type=float, default=d.keepalive_time_s, help="ping interval, s")
     p.add_argument("--keepalive-timeout", type=float, default=d.keepalive_timeout_s, help="ping ack deadline, s")
     p.add_argument("--min-ping-interval", type=float, default=d.min_ping_interval_s,
@@ -129,13 +132,15 @@ def cmd_serve(args, behind_link=None) -> None:
     from .runner import TargetRunner
     from .service import serve
 
+    if args.cuda_graphs and args.device != "cuda":
+        raise ValueError("--cuda-graphs needs --device cuda (on a CPU the fixed-shape step only costs more)")
     serve_kw = dict(security=server_security(args), grace_s=args.grace, metrics_port=args.metrics_port,
                     metrics_host=args.metrics_host)
     model, tokenizer, model_id = load_model(args.target, device=args.device, dtype=args.dtype,
                                            linear=args.linear)
     lsa_modules = hosted_lsa_modules(args.lsa, args.target, model, tokenizer, model_id, args.device)
     limits = server_limits(args)
-    runner = TargetRunner(model, tokenizer, model_id, lsa_modules)
+    runner = TargetRunner(model, tokenizer, model_id, lsa_modules, use_graphs=args.cuda_graphs)
     if args.batching == "padded":
         runner.ragged = False
     if args.link is None:

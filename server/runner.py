@@ -6,6 +6,7 @@ Model work here is synchronous; the gRPC service runs it on a single worker thre
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -20,7 +21,9 @@ from splitspec.shared.sampling import (SamplingParams, Stream, apply_contextual_
                                       warp_probs)
 from splitspec.shared.tree import ROOT, DraftTree, tree_buffers
 
-from . import ragged
+from . import graphs, ragged
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -49,9 +52,13 @@ class StepOutput:
 class TargetRunner:
     """Runs the target model for sessions. Not thread-safe: call from one thread."""
 
-    def __init__(self, model, tokenizer, model_id: str, lsa_modules: dict | None = None) -> None:
+    def __init__(self, model, tokenizer, model_id: str, lsa_modules: dict | None = None,
+                 use_graphs: bool = False) -> None:
         """`lsa_modules`: MoA drafters (by checkpoint id) whose Layer Self-Attention this runner may
-        compute for clients that place LSA on the server."""
+        compute for clients that place LSA on the server. `use_graphs`: one-session verify steps of up
+        to `graphs.MAX_ROWS` rows run as fixed-shape forwards (server/graphs.py), replayed from CUDA
+        graphs on a GPU; on a CPU the fixed-shape forward runs eagerly (slower: it attends over the
+        whole storage), which is for tests."""
         self.lsa_modules = dict(lsa_modules or {})
         self.model = model
         self.tokenizer = tokenizer
@@ -67,6 +74,7 @@ class TargetRunner:
                             else [next(iter(self.windows))] * self.num_layers)
         # batches are scored raggedly (server/ragged.py) where the attention is SDPA's, else padded
         self.ragged = ragged.enable(model)
+        self.static = graphs.StaticSteps(model, self.windows, self.per_layer_type) if use_graphs else None
 
     @property
     def max_positions(self) -> int:
@@ -107,15 +115,44 @@ class TargetRunner:
         features come back first (`accepted_tokens` holds only accepted draft tokens).
         """
         prefix_len, chain, buffers, row_ids = _step_inputs(session, tree, forced_tokens)
+        hidden = bool(session.features.hidden_layers)
+        if self.static is not None:
+            fixed = self._fixed_shape_forward(session, prefix_len, buffers, row_ids, hidden)
+            if fixed is not None:
+                logits, hidden_states, forward_ms = fixed
+                return self._accept_and_commit(session, tree, draft_probs, chain, prefix_len, logits, hidden_states,
+                                               forward_ms)
         ids = torch.tensor([row_ids], device=self.device)  # [1, F + N]
         start = time.perf_counter()
         out = self.model(input_ids=ids, cache=session.cache, use_cache=True,
                          attention_mask=self._tree_mask(buffers, prefix_len),
                          position_ids=buffers.position_ids(prefix_len).to(self.device),
-                         output_hidden_states=bool(session.features.hidden_layers))
+                         output_hidden_states=hidden)
         forward_ms = (time.perf_counter() - start) * 1e3
         return self._accept_and_commit(session, tree, draft_probs, chain, prefix_len, out.logits[0], out.hidden_states,
                                        forward_ms)
+
+    def _fixed_shape_forward(self, session: TargetSession, prefix_len: int, buffers, row_ids: list[int],
+                             hidden: bool):
+        """The step as a fixed-shape forward (server/graphs.py): (logits [M, V], hidden states or
+        None, ms), or None where it runs eagerly (too many rows). A failure (a capture the model
+        does not allow) switches this runner to eager steps for good, with a log line; the
+        session's cache still ends where it did before the step."""
+        start = time.perf_counter()
+        try:
+            step = self.static.step(session.cache, len(row_ids), hidden)
+            if step is None:
+                return None
+            logits, hidden_states = step.run(prefix_len, row_ids, buffers)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # a replay returns at once: time the kernels too
+        except Exception:  # noqa: BLE001 - any failure here has the eager forward to fall back on
+            log.exception("fixed-shape verify failed; this runner verifies eagerly from now on")
+            self.static = None
+            return None
+        graphs.commit_views(session.cache, prefix_len + len(row_ids))
+        self.static.runs += 1
+        return logits, hidden_states, (time.perf_counter() - start) * 1e3
 
     @torch.inference_mode()
     def verify_batch(self, items: list[tuple[TargetSession, DraftTree, dict[int, SparseProbs] | None,
@@ -227,17 +264,35 @@ class TargetRunner:
                            prefix_len: int, row_logits, hidden_states, forward_ms: float) -> StepOutput:
         """Acceptance over the forward's rows [F + N, V], KV commit, features (verify's tail)."""
         root = len(chain) - 1  # the forward row of the tree's root
-        logits = row_logits[root:].float().cpu()  # [N + 1, V]
+        sampling = session.sampling
+        if sampling.greedy and not sampling.penalized:
+            # argmax where the logits are: only the N + 1 chosen ids leave the target's device
+            # (bf16 -> fp32 is exact, so the choice is the one the fp32 copy would give)
+            result = accept_greedy(tree, row_logits[root:])
+        else:
+            result = self._accept_on_host(session, tree, draft_probs, chain, row_logits[root:])
+        return self._commit(session, tree, chain, prefix_len, result, hidden_states, forward_ms)
+
+    def _accept_on_host(self, session: TargetSession, tree: DraftTree, draft_probs, chain: list[int],
+                        tree_logits) -> AcceptResult:
+        """Acceptance over the rows [N + 1, V] of the root and the nodes, as fp32 on the host: the
+        penalty and sampling paths (they draw from the session's host generator)."""
+        logits = tree_logits.float().cpu()  # [N + 1, V]
         sampling = session.sampling
         if sampling.penalized:  # row 0 follows the chain, row 1 + n node n's path
             text = session.history + chain
             paths = tree_paths(tree)
             windows = [text[-sampling.penalty_window:]] + [(text + p)[-sampling.penalty_window:] for p in paths]
             logits = apply_contextual_penalty(logits, windows, sampling.penalty)
-        if session.sampling.greedy:
-            result = accept_greedy(tree, logits)
-        else:
-            result = accept_sampling(tree, logits, session.sampling, draft_probs or {}, session.generator)
+        if sampling.greedy:
+            return accept_greedy(tree, logits)
+        return accept_sampling(tree, logits, sampling, draft_probs or {}, session.generator)
+
+    def _commit(self, session: TargetSession, tree: DraftTree, chain: list[int], prefix_len: int,
+                result: AcceptResult, hidden_states, forward_ms: float) -> StepOutput:
+        """The KV commit of an accepted path, its features and the new pending token."""
+        root = len(chain) - 1
+        sampling = session.sampling
         rows = list(range(len(chain))) + [root + 1 + node for node in result.accepted_nodes]
         kv.keep_rows(session.cache, prefix_len, rows)
         features = self._features(session, hidden_states, rows, prefix_len)

@@ -81,6 +81,12 @@ class PreallocatedLayer(DynamicLayer):
             new[..., :length, :] = old[..., :length, :]
             setattr(self, name, new)
 
+    def reserve(self, positions: int) -> None:
+        """Make the storage hold at least `positions` positions (server/graphs.py writes a padded
+        step's rows past the cached ones); the cached rows keep their values."""
+        if positions > self.capacity:
+            self._grow(positions)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append key/value states [B, Hkv, n, D]; returns all cached keys and values [B, Hkv, T + n, D].

@@ -78,7 +78,13 @@ def check_batched_equals_alone(model, family: str, ragged: bool, tokenizer) -> N
     assert runner.ragged  # every family here runs SDPA attention
     runner.ragged = ragged
     batched, batched_sessions = _run(runner, True, refs)
-    for step, (a_outs, b_outs) in enumerate(zip(alone, batched)):
+    assert_same_steps(family, alone, alone_sessions, batched, batched_sessions, refs)
+
+
+def assert_same_steps(family: str, a_steps, a_sessions, b_steps, b_sessions, refs) -> None:
+    """Two runs of `_run` agree step by step (accepted and bonus tokens, features), end with the
+    same caches, and each session's greedy stream is the target's own (`refs`)."""
+    for step, (a_outs, b_outs) in enumerate(zip(a_steps, b_steps)):
         for i, (a, b) in enumerate(zip(a_outs, b_outs)):
             where = f"{family} step {step} session {i}"
             assert a.accepted_tokens == b.accepted_tokens and a.accept == b.accept, where
@@ -88,12 +94,12 @@ def check_batched_equals_alone(model, family: str, ragged: bool, tokenizer) -> N
             for layer in FEATURES.kv_layers:
                 torch.testing.assert_close(a.features.keys[layer], b.features.keys[layer], atol=1e-4, rtol=1e-4)
                 torch.testing.assert_close(a.features.values[layer], b.features.values[layer], atol=1e-4, rtol=1e-4)
-    for a, b in zip(alone_sessions, batched_sessions):  # the caches the next steps build on agree too
+    for a, b in zip(a_sessions, b_sessions):  # the caches the next steps build on agree too
         assert a.pending_token == b.pending_token
         for la, lb in zip(a.cache.layers, b.cache.layers):
             torch.testing.assert_close(la.keys, lb.keys, atol=1e-4, rtol=1e-4)
-    # the greedy stream each session produced is the target's own
-    for i, session_outs in enumerate(zip(*batched)):
+            torch.testing.assert_close(la.values, lb.values, atol=1e-4, rtol=1e-4)
+    for i, session_outs in enumerate(zip(*b_steps)):  # the greedy stream each session produced is the target's own
         tokens = [t for out in session_outs for t in (*out.accepted_tokens, out.accept.bonus_token)]
         assert tokens == refs[i][1: 1 + len(tokens)], f"{family} session {i}"
 
@@ -248,8 +254,13 @@ def test_serve_bench_drives_concurrent_clients(stories, serve, stories_path, tmp
                    SimpleNamespace(target="t", drafter="ngram", seconds=1.0, max_new_tokens=12, threads=1,
                                    device="cpu"))
     assert "| 8 | 4 | 280.0 | - | - | 70.0 |" in alone and "nan" not in alone
-    assert [parse_batch(t) for t in ("1", "8", "8:padded", " 4:ragged")] == [
-        (1, "ragged"), (8, "ragged"), (8, "padded"), (4, "ragged")]
+    assert [parse_batch(t) for t in ("1", "8", "8:padded", " 4:ragged", "1:graphs")] == [
+        (1, "ragged"), (8, "ragged"), (8, "padded"), (4, "ragged"), (1, "graphs")]
+    graphed = render([ServeResult(1, "ragged", 1, 100, 1.0, 100.0, 5.0, 9.0),
+                      ServeResult(1, "graphs", 1, 150, 1.0, 150.0, 3.0, 6.0)],
+                     SimpleNamespace(target="t", drafter="ngram", seconds=1.0, max_new_tokens=12, threads=1,
+                                     device="cuda"))
+    assert "| 1 (graphs) | 1 | 150.0 |" in graphed  # a row of its own, not the unbatched baseline
     for bad in ("0", "x", "8:wide", "-1"):
         with pytest.raises(ValueError, match="--max-batch"):
             parse_batch(bad)

@@ -78,12 +78,15 @@ def test_verify_cost_runs_end_to_end_on_a_random_shape(capsys):
 
     args = argparse.Namespace(target="random:llama-tiny", device="cpu", context=16, repeats=2, threads=1,
                               prompts=0, linear="torch", new_tokens=4, spec_bench=None, compile=False,
-                              batches=[1, 3], batch_nodes=4)
+                              batches=[1, 3], batch_nodes=4, cuda_graphs=True)
     cmd_verify_cost(args)
     out = capsys.readouterr().out
     assert "random:llama-tiny (random weights)" in out and "| float32 | torch |" in out and "| bfloat16 | torch |" in out
     assert "Batched sessions" in out and "| B=1 ms | B=3 ms | tokens/s gain at B=3 |" in out
-    assert len([line for line in out.splitlines() if line.startswith("| float32 | torch |")]) == 2  # both tables
+    # the CUDA-graph table's dry run: fixed-shape steps run eagerly on the CPU
+    assert "Whole verify steps through TargetRunner" in out and "a dry run of this table" in out
+    assert "float32 torch with CUDA graphs: one-position step / floor" in out
+    assert len([line for line in out.splitlines() if line.startswith("| float32 | torch |")]) == 3  # all three tables
     with pytest.raises(SystemExit, match="--prompts 0"):
         cmd_verify_cost(argparse.Namespace(**{**vars(args), "prompts": 2}))
 

@@ -1,0 +1,81 @@
+"""Fixed-shape verify steps (server/graphs.py), the form a CUDA graph replays: on the CPU they run
+eagerly and must give what the ordinary verify gives (accepted and bonus tokens, features, caches)
+over many steps with paths that skip rows, for full, sliding-window and mixed-attention families,
+across a growth of the session's storage, and whatever the storage held past the cached positions.
+tests/test_cuda.py runs the same check with the graphs captured and replayed on a GPU."""
+from __future__ import annotations
+
+import pytest
+
+from splitspec.server import graphs
+from splitspec.server.runner import TargetRunner
+from splitspec.shared import kv
+from splitspec.shared.features import FeatureRequest
+from splitspec.shared.sampling import SamplingParams
+from splitspec.shared.tree import DraftTree
+
+from .helpers import reference_greedy
+from .test_batched_verify import PROMPTS, _run, assert_same_steps
+from .test_model_families import _model
+
+
+def test_rows_are_padded_to_a_power_of_two_up_to_the_largest_bucket():
+    assert [graphs.bucket(n) for n in (1, 2, 3, 5, 17, 64)] == [1, 2, 4, 8, 32, 64]
+    assert graphs.bucket(graphs.MAX_ROWS + 1) is None
+    with pytest.raises(ValueError):
+        graphs.bucket(0)
+
+
+def check_fixed_shape_equals_eager(model, family: str, tokenizer, steps: int = 8) -> None:
+    """Eight steps of four sessions through fixed-shape forwards equal the same steps through the
+    ordinary forward, and the target's greedy `generate()` (tests/test_cuda.py: on a GPU)."""
+    refs = [reference_greedy(model, p, 48) for p in PROMPTS]
+    eager, eager_sessions = _run(TargetRunner(model, tokenizer, family), False, refs, steps=steps)
+    runner = TargetRunner(model, tokenizer, family, use_graphs=True)
+    fixed, fixed_sessions = _run(runner, False, refs, steps=steps)
+    assert runner.static is not None, "a fixed-shape step failed and the runner fell back to eager"
+    assert runner.static.runs == steps * len(PROMPTS)
+    if next(model.parameters()).device.type == "cuda":  # every step was replayed from a captured graph
+        for session in fixed_sessions:
+            built = [step for key, step in session.cache._static_steps.items() if key != "key"]
+            assert built and all(step.graph is not None for step in built)
+    assert_same_steps(family, eager, eager_sessions, fixed, fixed_sessions, refs)
+
+
+@pytest.mark.parametrize("family", ["llama-mqa-tied", "qwen2-sliding-mixed", "gemma3", "mistral-sliding"])
+def test_fixed_shape_steps_equal_ordinary_steps(family, stories):
+    check_fixed_shape_equals_eager(_model(family), family, stories[1])
+
+
+def test_fixed_shape_steps_survive_storage_growth_and_garbage_past_the_cache(stories, monkeypatch):
+    """A prompt that ends just short of a storage chunk, so the steps cross into a grown storage,
+    and storage that holds NaN past the cached positions (what uninitialised memory may hold): the
+    fixed-shape forward reads the whole storage under its mask, so it must clear what it reads."""
+    grow = kv.PreallocatedLayer._grow
+
+    def grow_with_nan(layer, needed):
+        grow(layer, needed)
+        length = layer.keys.shape[-2]
+        layer._key_buffer[..., length:, :] = float("nan")
+        layer._value_buffer[..., length:, :] = float("nan")
+
+    monkeypatch.setattr(kv.PreallocatedLayer, "_grow", grow_with_nan)
+    model = _model("llama-mqa-tied")
+    prompt = [1 + (7 * i) % 400 for i in range(kv.PreallocatedLayer.CHUNK - 20)]  # grows on the 3rd step
+    ref = reference_greedy(model, prompt, 24)
+    runner = TargetRunner(model, stories[1], "llama", use_graphs=True)
+    session, _, _ = runner.open(prompt, SamplingParams(), FeatureRequest())
+    capacities, tokens = set(), []
+    while len(tokens) < 20:
+        done = len(tokens) + 1  # the pending token is ref[len(tokens)]
+        truth = ref[done: done + 4]
+        # a wrong sibling before the right first token: the accepted path skips row 0
+        tokens_ = [(truth[0] + 1) % 512] + truth
+        parents = [-1, -1] + list(range(1, len(truth)))
+        tree = DraftTree(tuple(tokens_), tuple(parents))
+        out = runner.verify(session, tree)
+        tokens += [*out.accepted_tokens, out.accept.bonus_token]
+        capacities.add(session.cache.layers[0].capacity)
+    assert len(capacities) == 2, "the steps never crossed into a grown storage"
+    assert runner.static is not None and runner.static.runs > 0
+    assert tokens == ref[1: 1 + len(tokens)]
