@@ -71,7 +71,8 @@ def _add_serve_bench_parser(sub) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--clients", type=_counts("client"), default=[1, 4, 8, 16], help="client counts, comma-separated")
     p.add_argument("--max-batch", type=_max_batches, default=[(1, "ragged"), (8, "ragged")], help="server --max-batch values compared, comma-separated (1 = off); N:padded runs the server with "
-                        "--batching padded (the copy-into-padded-rows way, for comparison)")
+                        "--batching padded (the copy-into-padded-rows way, for comparison); N:graphs with --cuda-graphs "
+                        "(--device cuda)")
     p.add_argument("--drafter", default="ngram", help="each client's drafter (cheap ones leave the CPU to the server)")
     p.add_argument("--seconds", type=_positive, default=20.0, help="measured time per (max batch, clients) point")
     p.add_argument("--max-new-tokens", type=int, default=48)
@@ -105,6 +106,8 @@ def _add_verify_cost_parser(sub) -> None:
                    help="linear-layer backends to measure side by side (shared/packed_linear.py)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--spec-bench", default=None, help="path to Spec-Bench question.jsonl")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="also time whole verify steps eager and replayed from CUDA graphs (on a CPU: eager fixed-shape, a dry run)")
     p.add_argument("--compile", action="store_true",
                    help="also time the forward through torch.compile beside eager (minutes of compiling)")
     p.add_argument("--batches", type=_counts("session"), default=[],
@@ -129,14 +132,15 @@ def _counts(what: str):
 
 
 def parse_batch(text: str) -> tuple[int, str]:
-    """'8' or '8:padded' -> (max batch, server --batching).
+    """'8', '8:padded' or '1:graphs' -> (max batch, server --batching, or "graphs": ragged batches and
+    one-session steps replayed from CUDA graphs, server --cuda-graphs).
 
     Raises:
-        ValueError: not N or N:ragged / N:padded with N >= 1.
+        ValueError: not N or N:ragged / N:padded / N:graphs with N >= 1.
     """
     size, _, batching = text.strip().partition(":")
-    if not size.isdigit() or int(size) < 1 or batching not in ("", "ragged", "padded"):
-        raise ValueError(f"--max-batch entries are N or N:ragged / N:padded with N >= 1, got {text!r}")
+    if not size.isdigit() or int(size) < 1 or batching not in ("", "ragged", "padded", "graphs"):
+        raise ValueError(f"--max-batch entries are N or N:ragged / N:padded / N:graphs with N >= 1, got {text!r}")
     return int(size), batching or "ragged"
 
 

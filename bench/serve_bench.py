@@ -38,7 +38,7 @@ from .service_process import free_port, start_server, stop_server
 @dataclass(frozen=True)
 class ServeResult:
     max_batch: int
-    batching: str  # "ragged" | "padded" (server --batching)
+    batching: str  # "ragged" | "padded" (server --batching) | "graphs" (ragged, server --cuda-graphs)
     clients: int
     tokens: int
     seconds: float
@@ -48,7 +48,9 @@ class ServeResult:
 
     @property
     def label(self) -> str:
-        """The max-batch column: '8', or '8 (padded)' for the padded way of batching."""
+        """The max-batch column: '8', '8 (padded)' for the padded way of batching, '1 (graphs)'."""
+        if self.batching == "graphs":
+            return f"{self.max_batch} (graphs)"
         return f"{self.max_batch}" if self.batching == "ragged" or self.max_batch == 1 else \
             f"{self.max_batch} ({self.batching})"
 
@@ -216,7 +218,9 @@ def cmd_serve_bench(args) -> None:
     results: list[ServeResult] = []
     for max_batch, batching in batches:
         port = free_port()
-        server = start_server(args.target, port, extra=["--max-batch", str(max_batch), "--batching", batching,
+        graphs = ["--cuda-graphs"] if batching == "graphs" else []
+        server = start_server(args.target, port, extra=["--max-batch", str(max_batch),
+                                                        "--batching", "ragged" if graphs else batching, *graphs,
                                                         "--max-sessions", str(max(clients) + 1),
                                                         "--device", args.device],
                               threads=args.threads)
@@ -253,7 +257,7 @@ def _processes_label(processes: int) -> str:
 
 def render(results: list[ServeResult], args) -> str:
     one = {r.label: r.tok_s for r in results if r.clients == 1}
-    unbatched = {r.clients: r.tok_s for r in results if r.max_batch == 1}
+    unbatched = {r.clients: r.tok_s for r in results if r.max_batch == 1 and r.batching != "graphs"}
     lines = [f"target {args.target}, drafter {args.drafter}, {args.seconds:g} s per point, up to "
              f"{args.max_new_tokens} tokens per answer, server on {args.device}, torch threads "
              f"{args.threads or 'default'}, clients in "

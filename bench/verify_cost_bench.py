@@ -20,6 +20,9 @@ Measured here, in one process:
   path, `TargetRunner.verify_batch`: ragged where the model allows), each session a `--batch-nodes`
   tree after `--context` tokens of its own, against B: what a server verifying B clients in one
   forward pays per step (docs/scaling.md's T_verify(B));
+- with `--cuda-graphs` (`--device cuda`), whole verify steps through `TargetRunner` (forward,
+  greedy acceptance on the device, KV commit) eagerly and as fixed-shape forwards replayed from
+  CUDA graphs (server/graphs.py), side by side, for each position count;
 - with `--compile`, the same forwards through `torch.compile(model.forward, dynamic=True)` (the
   runner's cache class and mask, inductor's default mode), timed beside eager on the same inputs
   once compiled, with the compile time and the largest logit difference from eager.
@@ -35,6 +38,7 @@ from transformers import DynamicCache
 
 from splitspec.server import ragged
 from splitspec.server.runner import TargetRunner
+from splitspec.shared import kv
 from splitspec.shared.features import FeatureRequest
 from splitspec.shared.models import encode_chat, load_model, use_cudnn_attention
 from splitspec.shared.packed_linear import onednn_available
@@ -130,6 +134,33 @@ def step_ms(model, context: int, positions: int, repeats: int, forward=None) -> 
             _sync(device)
             times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times[1:]), out.logits[0].float().cpu()
+
+
+def runner_step_ms(model, context: int, positions: int, repeats: int, use_graphs: bool) -> float:
+    """Median ms of a whole verify step through `TargetRunner` (forward, greedy acceptance, KV commit)
+    of a chain of `positions` rows after `context` random tokens; the session is cut back to its
+    prefix after every step, so each step has the same shape. The first step (a graph's capture)
+    is not counted."""
+    runner = TargetRunner(model, None, "verify-cost", use_graphs=use_graphs)
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(context * 1000 + positions)
+    prompt = torch.randint(0, vocab, (context,), generator=generator).tolist()
+    session, _, _ = runner.open(prompt, SamplingParams(), FeatureRequest())
+    pending = session.pending_token
+    tree = DraftTree.chain(torch.randint(0, vocab, (positions - 1,), generator=generator).tolist())
+    device = next(model.parameters()).device
+    times = []
+    for _ in range(repeats + 1):
+        _sync(device)
+        start = time.perf_counter()
+        runner.verify(session, tree)
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+        kv.truncate(session.cache, context)
+        session.pending_token = pending
+    if use_graphs and (runner.static is None or not runner.static.runs):
+        raise RuntimeError("the fixed-shape verify step failed; see the log above")
+    return statistics.median(times[1:])
 
 
 def batched_ms(model, context: int, nodes: int, batches: list[int], repeats: int) -> dict[int, float]:
@@ -236,10 +267,11 @@ def cmd_verify_cost(args) -> None:
              + " | 1 pos / floor | 25 pos / 1 pos | 1 pos vs torch | greedy answers differing from generate() "
              "| ngram decoding tok/s |",
              "|---|---|---|---|" + "---|" * len(POSITIONS) + "---|---|---|---|---|"]
-    goals, compiled_rows, one_pos = [], [], {}
+    goals, compiled_rows, one_pos, floors = [], [], {}, {}
     for (name, linear), model in variants.items():
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         floor = weights / (bandwidth / 2 * 1e9) * 1e3  # read once at the copy's read rate
+        floors[(name, linear)] = floor
         timed = {n: step_ms(model, args.context, n, args.repeats) for n in POSITIONS}
         times = {n: t for n, (t, _) in timed.items()}
         if linear == "torch":
@@ -271,6 +303,24 @@ def cmd_verify_cost(args) -> None:
             lines.append(f"| {name} | {linear} | " + " | ".join(f"{ms[b]:.1f}" for b in args.batches)
                          + " | " + " | ".join(gains) + " |")
             print(f"{name} {linear} batched: " + ", ".join(f"B={b} {t:.1f} ms" for b, t in ms.items()), file=sys.stderr)
+    if args.cuda_graphs:
+        lines += ["", f"Whole verify steps through TargetRunner (forward, greedy acceptance, KV commit; a chain "
+                  f"after {args.context} tokens), eager and replayed from CUDA graphs (server/graphs.py), median of "
+                  f"{args.repeats}" + ("" if device == "cuda" else " (on a CPU no graph: the fixed-shape forward runs "
+                                        "eagerly, a dry run of this table)") + ":", "", "| dtype | linear | " + " | ".join(f"{n} pos ms eager / graphs" for n in POSITIONS)
+                  + " | 1 pos graphs / floor | 25 pos / 1 pos (graphs) |",
+                  "|---|---|" + "---|" * len(POSITIONS) + "---|---|"]
+        for (name, linear), model in variants.items():
+            eager = {n: runner_step_ms(model, args.context, n, args.repeats, False) for n in POSITIONS}
+            graphed = {n: runner_step_ms(model, args.context, n, args.repeats, True) for n in POSITIONS}
+            floor = floors[(name, linear)]
+            lines.append(f"| {name} | {linear} | " + " | ".join(f"{eager[n]:.2f} / {graphed[n]:.2f}" for n in POSITIONS)
+                         + f" | {graphed[1] / floor:.2f}x | {graphed[25] / graphed[1]:.2f}x |")
+            print(f"{name} {linear} graphs: " + ", ".join(f"{n} pos {t:.2f} ms" for n, t in graphed.items()),
+                  file=sys.stderr)
+            goals.append(f"- {name} {linear} with CUDA graphs: one-position step / floor = {graphed[1] / floor:.2f}x "
+                         f"(goal <= 2x: {'met' if graphed[1] / floor <= 2 else 'missed'}); 25-position / one-position = "
+                         f"{graphed[25] / graphed[1]:.2f}x (goal <= 1.3x: {'met' if graphed[25] / graphed[1] <= 1.3 else 'missed'})")
     if compiled_rows:
         lines += ["", "torch.compile (inductor, dynamic shapes, torch linear layers) beside eager, same inputs:", "",
                   "| dtype | compile + first calls s | " + " | ".join(f"{n} pos ms (eager)" for n in POSITIONS)

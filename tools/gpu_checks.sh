@@ -5,13 +5,15 @@
 # result lands under $OUT as it is written.
 # 0. tests/test_cuda.py: the greedy-equality and batched-verification tests with the target on CUDA
 #    (pytest and stories260K carried in .gpu-c; SPLITSPEC_TEST_DEVICE=cpu for a dry run here);
-# 1. serve-bench: 1, 4, 8, 16 concurrent clients against the server on CUDA, batching off and on
+# 1. serve-bench: 1, 4, 8, 16 concurrent clients against the server on CUDA, batching off and on, and
+#    one step per forward replayed from CUDA graphs (1:graphs, server --cuda-graphs, session 39)
 #    (it needs grpcio >= 1.85.1 in /tmp/site, tools/gpu_site.sh; first measured on an H200 in
 #    session 37, with the clients as threads of one process: 8 clients 2.23x one client);
 # 2. SmolLM2-135M on CUDA, fp32 and bf16: verify-step time against tree size (1-25 positions),
 #    against the copy-bandwidth floor, and greedy agreement of tree verification with the same
 #    target's generate() on 6 Spec-Bench prompts (the lossless check on this device), and one verify
-#    step of B = CLIENTS sessions scored together (T_verify(B), docs/scaling.md);
+#    step of B = CLIENTS sessions scored together (T_verify(B), docs/scaling.md), and whole verify
+#    steps eager beside CUDA-graph replay (--cuda-graphs, server/graphs.py);
 #    then the same with cuDNN's attention allowed (off by default on CUDA since session 26: does it pay?);
 # 3. the same timings for a Llama of Llama-3-8B's shape with random weights (shape figures only).
 # At most 8 files come back from $OUT: this writes 7.
@@ -32,14 +34,15 @@ SPLITSPEC_STORIES=${SPLITSPEC_STORIES:-/tmp/gpu-c/stories260K/hf} timeout 240 py
 log "serve-bench"
 # clients in up to 8 processes: session 37's H200 run had them as threads of one process, whose
 # interpreter lock may have capped 8 clients at 2.23x one client (bench/serve_bench.py)
-timeout 200 splitspec serve-bench --device "$DEVICE" --clients "$CLIENTS" --max-batch 1,8 --seconds "$SECONDS_PER" \
+BATCHES=1,8; [ "$DEVICE" = cuda ] && BATCHES=1,8,1:graphs  # CUDA graphs: --device cuda only
+timeout 260 splitspec serve-bench --device "$DEVICE" --clients "$CLIENTS" --max-batch "$BATCHES" --seconds "$SECONDS_PER" \
   --client-processes "${CLIENT_PROCS:-8}" --out "$OUT/serve-bench-$DEVICE.md" > "$OUT/serve-bench.log" 2>&1; log "rc=$?"
 log "verify-cost smollm2-135m"
-timeout 150 splitspec verify-cost --device "$DEVICE" --prompts "$PROMPTS" --linear torch --repeats 20 --batches "$CLIENTS" \
+timeout 180 splitspec verify-cost --device "$DEVICE" --prompts "$PROMPTS" --linear torch --repeats 20 --batches "$CLIENTS" --cuda-graphs \
   > "$OUT/verify-cost-smollm2-$DEVICE.md" 2>> "$OUT/checks.log"; log "rc=$?"
 log "verify-cost smollm2-135m with cuDNN attention allowed (shared/models.use_cudnn_attention; the run above has it off)"
 SPLITSPEC_CUDNN_ATTENTION=1 timeout 120 splitspec verify-cost --device "$DEVICE" --prompts 1 --linear torch --repeats 20 \
   > "$OUT/verify-cost-smollm2-$DEVICE-cudnn.md" 2>> "$OUT/checks.log"; log "rc=$?"
 log "verify-cost random $SHAPE"
-timeout 150 splitspec verify-cost --device "$DEVICE" --target "random:$SHAPE" --prompts 0 --linear torch --repeats 10 \
+timeout 180 splitspec verify-cost --device "$DEVICE" --target "random:$SHAPE" --prompts 0 --linear torch --repeats 10 --cuda-graphs \
   --context 1024 --batches "$CLIENTS" > "$OUT/verify-cost-$SHAPE-$DEVICE.md" 2>> "$OUT/checks.log"; log "rc=$?"
