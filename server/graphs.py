@@ -78,7 +78,7 @@ class StaticStep:
 
     def __init__(self, model, cache, rows: int, windows: dict, per_layer_type: bool, hidden: bool,
                  pool=None) -> None:
-        self.model, self.cache, self.rows, self.hidden = model, cache, rows, hidden
+        self.model, self.rows, self.hidden = model, rows, hidden  # no reference to the cache: it holds the steps
         self.windows, self.per_layer_type = windows, per_layer_type
         self.key = storage_key(cache)
         first = cache.layers[0]._key_buffer
@@ -134,15 +134,19 @@ class StaticStep:
         return logits[0, :m], (tuple(h[:, :m] for h in hidden) if hidden is not None else None)
 
     def _capture(self) -> None:
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self._forward()  # warm-up: library handles and workspaces are made outside the capture
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread-local: CUDA work of other threads (the service's) does not invalidate the capture
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self._out = self._forward()
+        current = torch.cuda.current_stream(self.device)
+        # the outer context puts this thread back on its stream even when the capture fails
+        # (`torch.cuda.graph` ends the capture before it restores the stream, with no `finally`)
+        with torch.cuda.stream(current):
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                self._forward()  # warm-up: library handles and workspaces are made outside the capture
+            current.wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            # thread-local: CUDA work of other threads (the service's) does not invalidate the capture
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                self._out = self._forward()
         self.graph = graph
 
 
@@ -157,6 +161,15 @@ class StaticSteps:
     """
 
     def __init__(self, model, windows: dict, per_layer_type: bool) -> None:
+        """Raises:
+            ValueError: a model whose forward reads tensors on the host, which a graph cannot
+                capture (dynamic rotary scaling decides per call from the positions).
+        """
+        rope = getattr(model.config, "rope_parameters", None) or getattr(model.config, "rope_scaling", None) or {}
+        kinds = rope.values() if all(isinstance(v, dict) for v in rope.values()) and rope else [rope]
+        if any("dynamic" in str(kind.get("rope_type", kind.get("type", ""))) for kind in kinds):
+            raise ValueError("CUDA graphs: dynamic rotary scaling chooses its frequencies on the host per call; "
+                             "serve this target without --cuda-graphs")
         self.model, self.windows, self.per_layer_type = model, windows, per_layer_type
         device = next(model.parameters()).device
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
@@ -185,6 +198,23 @@ class StaticSteps:
             steps[(padded, hidden)] = StaticStep(self.model, cache, padded, self.windows, self.per_layer_type,
                                                  hidden, self.pool)
         return steps[(padded, hidden)]
+
+
+def forget(cache) -> None:
+    """Drop a session's steps (and their graphs and outputs) now."""
+    if hasattr(cache, "_static_steps"):
+        del cache._static_steps
+
+
+def clear_past(cache, stop: int) -> None:
+    """Zero the storage from the cached length up to `stop` (the end of the last padded step):
+    the rows a step wrote and its commit dropped stay under the mask of later steps, and a mask
+    adds a large negative number, which does not hide a NaN or inf in them (the eager forward
+    never reads such rows again). One multi-tensor kernel for all layers."""
+    length = kv.cache_length(cache)
+    if stop > length:
+        torch._foreach_zero_([buffer[..., length:stop, :] for layer in cache.layers
+                              for buffer in (layer._key_buffer, layer._value_buffer)])
 
 
 def commit_views(cache, length: int) -> None:

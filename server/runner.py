@@ -119,9 +119,12 @@ class TargetRunner:
         if self.static is not None:
             fixed = self._fixed_shape_forward(session, prefix_len, buffers, row_ids, hidden)
             if fixed is not None:
-                logits, hidden_states, forward_ms = fixed
-                return self._accept_and_commit(session, tree, draft_probs, chain, prefix_len, logits, hidden_states,
-                                               forward_ms)
+                logits, hidden_states, forward_ms, padded = fixed
+                try:
+                    return self._accept_and_commit(session, tree, draft_probs, chain, prefix_len, logits,
+                                                   hidden_states, forward_ms)
+                finally:
+                    graphs.clear_past(session.cache, prefix_len + padded)
         ids = torch.tensor([row_ids], device=self.device)  # [1, F + N]
         start = time.perf_counter()
         out = self.model(input_ids=ids, cache=session.cache, use_cache=True,
@@ -135,9 +138,9 @@ class TargetRunner:
     def _fixed_shape_forward(self, session: TargetSession, prefix_len: int, buffers, row_ids: list[int],
                              hidden: bool):
         """The step as a fixed-shape forward (server/graphs.py): (logits [M, V], hidden states or
-        None, ms), or None where it runs eagerly (too many rows). A failure (a capture the model
-        does not allow) switches this runner to eager steps for good, with a log line; the
-        session's cache still ends where it did before the step."""
+        None, ms, padded rows), or None where it runs eagerly (too many rows). A failure (a capture
+        the model does not allow) switches this runner to eager steps for good, with a log line;
+        the session's cache still ends where it did before the step."""
         start = time.perf_counter()
         try:
             step = self.static.step(session.cache, len(row_ids), hidden)
@@ -149,10 +152,11 @@ class TargetRunner:
         except Exception:  # noqa: BLE001 - any failure here has the eager forward to fall back on
             log.exception("fixed-shape verify failed; this runner verifies eagerly from now on")
             self.static = None
+            graphs.forget(session.cache)  # other sessions' steps go with their sessions
             return None
         graphs.commit_views(session.cache, prefix_len + len(row_ids))
         self.static.runs += 1
-        return logits, hidden_states, (time.perf_counter() - start) * 1e3
+        return logits, hidden_states, (time.perf_counter() - start) * 1e3, step.rows
 
     @torch.inference_mode()
     def verify_batch(self, items: list[tuple[TargetSession, DraftTree, dict[int, SparseProbs] | None,

@@ -79,3 +79,58 @@ def test_fixed_shape_steps_survive_storage_growth_and_garbage_past_the_cache(sto
     assert len(capacities) == 2, "the steps never crossed into a grown storage"
     assert runner.static is not None and runner.static.runs > 0
     assert tokens == ref[1: 1 + len(tokens)]
+
+
+def test_a_failing_fixed_shape_step_falls_back_to_eager_and_stays_exact(stories, monkeypatch, caplog):
+    """The third fixed-shape step raises (as a capture a model does not allow would): that step and
+    every later one run eagerly, the session's cache is untouched by the failed attempt, its steps
+    are dropped, and the answer is still the target's own."""
+    model = _model("qwen2-sliding-mixed")
+    prompt = PROMPTS[0]
+    ref = reference_greedy(model, prompt, 30)
+    runner = TargetRunner(model, stories[1], "qwen2", use_graphs=True)
+    session, _, _ = runner.open(prompt, SamplingParams(), FeatureRequest())
+    run, calls = graphs.StaticStep.run, []
+
+    def flaky(step, *args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("capture refused")
+        return run(step, *args)
+
+    monkeypatch.setattr(graphs.StaticStep, "run", flaky)
+    tokens = []
+    while len(tokens) < 24:
+        truth = ref[len(tokens) + 1: len(tokens) + 5]
+        out = runner.verify(session, DraftTree(tuple([(truth[0] + 1) % 512] + truth),
+                                               tuple([-1, -1] + list(range(1, len(truth))))))
+        tokens += [*out.accepted_tokens, out.accept.bonus_token]
+        if len(calls) == 3:
+            assert runner.static is None and not hasattr(session.cache, "_static_steps")
+    assert len(calls) == 3 and "verifies eagerly from now on" in caplog.text
+    assert tokens == ref[1: 1 + len(tokens)]
+
+
+def test_rows_a_step_wrote_and_dropped_are_cleared(stories):
+    """After a commit, the storage from the cached length to the end of the padded step is zero:
+    later steps read it under their mask, which would not hide a NaN there."""
+    model = _model("llama-mqa-tied")
+    ref = reference_greedy(model, PROMPTS[0], 8)
+    runner = TargetRunner(model, stories[1], "llama", use_graphs=True)
+    session, _, _ = runner.open(PROMPTS[0], SamplingParams(), FeatureRequest())
+    wrong = [(t + 1) % 512 for t in ref[1:6]]  # five rejected rows: 6 rows, padded to 8
+    runner.verify(session, DraftTree.chain(wrong))
+    length = kv.cache_length(session.cache)
+    assert length == len(PROMPTS[0]) + 1
+    for layer in session.cache.layers:
+        for buffer in (layer._key_buffer, layer._value_buffer):
+            assert buffer[..., length: len(PROMPTS[0]) + 8, :].abs().sum() == 0
+
+
+def test_a_target_with_dynamic_rotary_scaling_is_refused_graphs(stories):
+    """Dynamic RoPE picks its frequencies on the host per call: no graph can replay that."""
+    model = _model("llama-mqa-tied")
+    model.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    with pytest.raises(ValueError, match="dynamic rotary"):
+        TargetRunner(model, stories[1], "llama", use_graphs=True)
+    TargetRunner(model, stories[1], "llama")  # without graphs it is served as before
