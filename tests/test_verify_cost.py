@@ -85,7 +85,7 @@ def test_verify_cost_runs_end_to_end_on_a_random_shape(capsys):
     assert "Batched sessions" in out and "| B=1 ms | B=3 ms | tokens/s gain at B=3 |" in out
     # the CUDA-graph table's dry run: fixed-shape steps run eagerly on the CPU
     assert "Whole verify steps through TargetRunner" in out and "a dry run of this table" in out
-    assert "float32 torch with CUDA graphs: one-position step / floor" in out
+    assert "float32 torch fixed-shape, no graph (a CPU dry run): one-position step / floor" in out
     assert len([line for line in out.splitlines() if line.startswith("| float32 | torch |")]) == 3  # all three tables
     with pytest.raises(SystemExit, match="--prompts 0"):
         cmd_verify_cost(argparse.Namespace(**{**vars(args), "prompts": 2}))
