@@ -87,6 +87,7 @@ class StaticStep:
         self.ids = torch.zeros(1, rows, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(1, rows, dtype=torch.long, device=self.device)
         self.write = torch.arange(rows, device=self.device)
+        self.columns = torch.arange(self.capacity, device=self.device)
         self.masks = {kind: torch.zeros(1, 1, rows, self.capacity, dtype=self.dtype, device=self.device)
                       for kind in windows}
         self._cache = _StorageCache(list(cache.layers), self.write)
@@ -112,10 +113,16 @@ class StaticStep:
         self.write.copy_(torch.arange(prefix_len, prefix_len + self.rows))
         pad = torch.arange(m, self.rows, device=self.device)
         for kind, window in self.windows.items():
+            # host work independent of the context: the tree block [M, M] is built on the host (a
+            # window compares depths, so it is the same after any prefix), the prefix columns on the device
             mask = self.masks[kind]
             mask.fill_(lowest)
-            own = buffers.attention_mask(prefix_len, self.dtype, self.device, window)[0, 0]  # [M, prefix + M]
-            mask[0, 0, :m, : prefix_len + m] = own
+            mask[0, 0, :m, prefix_len: prefix_len + m] = buffers.attention_mask(0, self.dtype, "cpu", window)[0, 0]
+            if window is None:
+                mask[0, 0, :m, :prefix_len] = 0
+            else:  # a row at position p sees the prefix keys at q > p - window
+                seen = self.columns[None, :prefix_len] > (self.positions[0, :m, None] - window)
+                mask[0, 0, :m, :prefix_len].masked_fill_(seen, 0)
             mask[0, 0, pad, prefix_len + pad] = 0  # a padding row sees itself only
 
     def run(self, prefix_len: int, row_ids: list[int], buffers):
