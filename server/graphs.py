@@ -184,7 +184,7 @@ class StaticSteps:
 
     def step(self, cache, rows: int, hidden: bool) -> StaticStep | None:
         padded = bucket(rows)
-        if padded is None:
+        if padded is None or getattr(cache, "_static_off", False):
             return None
         layers = getattr(cache, "layers", None)
         if not layers or any(not isinstance(layer, kv.PreallocatedLayer) or not layer.is_initialized
@@ -207,10 +207,13 @@ class StaticSteps:
         return steps[(padded, hidden)]
 
 
-def forget(cache) -> None:
-    """Drop a session's steps (and their graphs and outputs) now."""
+def forget(cache, eager: bool = False) -> None:
+    """Drop a session's steps (and their graphs and outputs) now; `eager`: and let it build none
+    again (`StaticSteps.step` returns None for it)."""
     if hasattr(cache, "_static_steps"):
         del cache._static_steps
+    if eager:
+        cache._static_off = True
 
 
 def clear_past(cache, stop: int) -> None:

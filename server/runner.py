@@ -149,6 +149,10 @@ class TargetRunner:
             logits, hidden_states = step.run(prefix_len, row_ids, buffers)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # a replay returns at once: time the kernels too
+        except torch.OutOfMemoryError:  # this session's step did not fit: it alone goes eager
+            log.warning("fixed-shape verify ran out of memory; this session verifies eagerly from now on")
+            graphs.forget(session.cache, eager=True)
+            return None
         except Exception:  # noqa: BLE001 - any failure here has the eager forward to fall back on
             log.exception("fixed-shape verify failed; this runner verifies eagerly from now on")
             self.static = None

@@ -75,10 +75,12 @@ class PreallocatedLayer(DynamicLayer):
     def _grow(self, needed: int) -> None:
         capacity = -(-needed // self.CHUNK) * self.CHUNK
         length = self.keys.shape[-2]
-        for name in ("_key_buffer", "_value_buffer"):
-            old = getattr(self, name)
-            new = old.new_empty(*old.shape[:-2], capacity, old.shape[-1])
-            new[..., :length, :] = old[..., :length, :]
+        # both buffers are allocated before either replaces the old one: running out of memory
+        # on the second leaves the layer as it was, not with two capacities
+        grown = [old.new_empty(*old.shape[:-2], capacity, old.shape[-1])
+                 for old in (self._key_buffer, self._value_buffer)]
+        for name, new in zip(("_key_buffer", "_value_buffer"), grown):
+            new[..., :length, :] = getattr(self, name)[..., :length, :]
             setattr(self, name, new)
 
     def reserve(self, positions: int) -> None:

@@ -6,6 +6,7 @@ tests/test_cuda.py runs the same check with the graphs captured and replayed on 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from splitspec.server import graphs
 from splitspec.server.runner import TargetRunner
@@ -134,3 +135,30 @@ def test_a_target_with_dynamic_rotary_scaling_is_refused_graphs(stories):
     with pytest.raises(ValueError, match="dynamic rotary"):
         TargetRunner(model, stories[1], "llama", use_graphs=True)
     TargetRunner(model, stories[1], "llama")  # without graphs it is served as before
+
+
+def test_a_step_out_of_memory_sends_only_its_session_to_eager(stories, monkeypatch):
+    """Running out of memory is one session's trouble, not the model's: that session verifies
+    eagerly from then on, exactly; another session keeps its fixed-shape steps."""
+    model = _model("llama-mqa-tied")
+    refs = [reference_greedy(model, p, 24) for p in PROMPTS[:2]]
+    runner = TargetRunner(model, stories[1], "llama", use_graphs=True)
+    sessions = [runner.open(p, SamplingParams(), FeatureRequest())[0] for p in PROMPTS[:2]]
+    run = graphs.StaticStep.run
+    victim = sessions[0].cache.layers[0]
+
+    def out_of_memory(step, *args):
+        if step._cache.storage[0] is victim:
+            raise torch.OutOfMemoryError("no room")
+        return run(step, *args)
+
+    monkeypatch.setattr(graphs.StaticStep, "run", out_of_memory)
+    streams = [[], []]
+    for _ in range(4):
+        for session, ref, stream in zip(sessions, refs, streams):
+            out = runner.verify(session, DraftTree.chain(ref[len(stream) + 1: len(stream) + 3]))
+            stream += [*out.accepted_tokens, out.accept.bonus_token]
+    assert runner.static is not None and runner.static.runs == 4  # the other session's steps only
+    assert getattr(sessions[0].cache, "_static_off", False) and not hasattr(sessions[0].cache, "_static_steps")
+    for ref, stream in zip(refs, streams):
+        assert stream == ref[1: 1 + len(stream)]
