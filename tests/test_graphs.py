@@ -162,3 +162,11 @@ def test_a_step_out_of_memory_sends_only_its_session_to_eager(stories, monkeypat
     assert getattr(sessions[0].cache, "_static_off", False) and not hasattr(sessions[0].cache, "_static_steps")
     for ref, stream in zip(refs, streams):
         assert stream == ref[1: 1 + len(stream)]
+
+
+def test_serve_refuses_cuda_graphs_without_a_gpu_before_loading_anything(capsys):
+    """`serve --cuda-graphs` on the CPU is a usage error (exit 2), said before any model loads."""
+    from splitspec.cli.main import main
+
+    assert main(["serve", "--target", "/nonexistent/model", "--cuda-graphs"]) == 2
+    assert "--cuda-graphs needs --device cuda" in capsys.readouterr().err
