@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The verify service's CUDA checks for a lent GPU machine (issue 11), for a call after the training
 # job on the same warm machine (bootstrap done, /tmp/site in place), or after bootstrap in a call
-# of its own (the call that carried .gpu-c copied it to /tmp/gpu-c). About 4-6 minutes; every
-# result lands under $OUT as it is written.
+# of its own (the call that carried .gpu-c copied it to /tmp/gpu-c). About 5-8 minutes; every
+# result lands under $OUT as it is written. Order: 0, 2's first verify-cost, 1, the rest of 2, 3.
 # 0. tests/test_cuda.py: the greedy-equality and batched-verification tests with the target on CUDA
 #    (pytest and stories260K carried in .gpu-c; SPLITSPEC_TEST_DEVICE=cpu for a dry run here);
-# 1. serve-bench: 1, 4, 8, 16 concurrent clients against the server on CUDA, batching off and on, and
-#    one step per forward replayed from CUDA graphs (1:graphs, server --cuda-graphs, session 39)
+# 1. serve-bench: 1, 4, 8, 16 concurrent clients against the server on CUDA, batching off and on,
+#    and one step per forward replayed from CUDA graphs (1:graphs, server --cuda-graphs, session 39)
 #    (it needs grpcio >= 1.85.1 in /tmp/site, tools/gpu_site.sh; first measured on an H200 in
 #    session 37, with the clients as threads of one process: 8 clients 2.23x one client);
 # 2. SmolLM2-135M on CUDA, fp32 and bf16: verify-step time against tree size (1-25 positions),
@@ -31,15 +31,17 @@ log() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/checks.log"; }
 log "tests/test_cuda.py"
 SPLITSPEC_STORIES=${SPLITSPEC_STORIES:-/tmp/gpu-c/stories260K/hf} timeout 240 python3 -m pytest -q -p no:cacheprovider \
   tests/test_cuda.py > "$OUT/test-cuda.log" 2>&1; log "rc=$? ($(tail -1 "$OUT/test-cuda.log"))"
+# first the step timings with CUDA graphs (new in session 39): the serve-bench below repeats session 37's
+# figures apart from its 1:graphs points, so a short device window keeps what it has not measured yet
+log "verify-cost smollm2-135m"
+timeout 180 splitspec verify-cost --device "$DEVICE" --prompts "$PROMPTS" --linear torch --repeats 20 --batches "$CLIENTS" --cuda-graphs \
+  > "$OUT/verify-cost-smollm2-$DEVICE.md" 2>> "$OUT/checks.log"; log "rc=$?"
 log "serve-bench"
 # clients in up to 8 processes: session 37's H200 run had them as threads of one process, whose
 # interpreter lock may have capped 8 clients at 2.23x one client (bench/serve_bench.py)
 BATCHES=1,8; [ "$DEVICE" = cuda ] && BATCHES=1,8,1:graphs  # CUDA graphs: --device cuda only
 timeout 260 splitspec serve-bench --device "$DEVICE" --clients "$CLIENTS" --max-batch "$BATCHES" --seconds "$SECONDS_PER" \
   --client-processes "${CLIENT_PROCS:-8}" --out "$OUT/serve-bench-$DEVICE.md" > "$OUT/serve-bench.log" 2>&1; log "rc=$?"
-log "verify-cost smollm2-135m"
-timeout 180 splitspec verify-cost --device "$DEVICE" --prompts "$PROMPTS" --linear torch --repeats 20 --batches "$CLIENTS" --cuda-graphs \
-  > "$OUT/verify-cost-smollm2-$DEVICE.md" 2>> "$OUT/checks.log"; log "rc=$?"
 log "verify-cost smollm2-135m with cuDNN attention allowed (shared/models.use_cudnn_attention; the run above has it off)"
 SPLITSPEC_CUDNN_ATTENTION=1 timeout 120 splitspec verify-cost --device "$DEVICE" --prompts 1 --linear torch --repeats 20 \
   > "$OUT/verify-cost-smollm2-$DEVICE-cudnn.md" 2>> "$OUT/checks.log"; log "rc=$?"
