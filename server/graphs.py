@@ -80,7 +80,6 @@ class StaticStep:
                  pool=None) -> None:
         self.model, self.rows, self.hidden = model, rows, hidden  # no reference to the cache: it holds the steps
         self.windows, self.per_layer_type = windows, per_layer_type
-        self.key = storage_key(cache)
         first = cache.layers[0]._key_buffer
         self.device, self.capacity = first.device, first.shape[-2]
         self.dtype = next(model.parameters()).dtype
