@@ -189,15 +189,13 @@ class StaticSteps:
         if not layers or any(not isinstance(layer, kv.PreallocatedLayer) or not layer.is_initialized
                              for layer in layers):
             return None  # not a session cache (kv.new_cache) that every layer has written yet
-        length = kv.cache_length(cache)
+        needed = kv.cache_length(cache) + padded
         for layer in layers:
-            layer.reserve(length + padded)
+            layer.reserve(needed)
         steps = getattr(cache, "_static_steps", None)
         key = storage_key(cache)
         if steps is None or steps["key"] != key:
-            for layer in cache.layers:  # fresh storage: no NaN may hide in the masked positions
-                layer._key_buffer[..., length:, :].zero_()
-                layer._value_buffer[..., length:, :].zero_()
+            clear_past(cache, layers[0].capacity)  # fresh storage: no NaN may hide in the masked positions
             steps = {"key": key}
             cache._static_steps = steps
         if (padded, hidden) not in steps:
@@ -229,5 +227,4 @@ def clear_past(cache, stop: int) -> None:
 def commit_views(cache, length: int) -> None:
     """After a fixed-shape forward: the cache holds `length` positions (its views end there)."""
     for layer in cache.layers:
-        layer.keys = layer._key_buffer[..., :length, :]
-        layer.values = layer._value_buffer[..., :length, :]
+        layer.end_at(length)

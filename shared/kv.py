@@ -107,9 +107,14 @@ class PreallocatedLayer(DynamicLayer):
             self._grow(length + n)
         self._key_buffer[..., length: length + n, :] = key_states
         self._value_buffer[..., length: length + n, :] = value_states
-        self.keys = self._key_buffer[..., : length + n, :]
-        self.values = self._value_buffer[..., : length + n, :]
+        self.end_at(length + n)
         return self.keys, self.values
+
+    def end_at(self, length: int) -> None:
+        """The layer holds the first `length` positions of its storage (`keys` / `values` end there);
+        for writers that fill the storage directly (`update`, server/graphs.py)."""
+        self.keys = self._key_buffer[..., :length, :]
+        self.values = self._value_buffer[..., :length, :]
 
     def reset(self) -> None:
         super().reset()
