@@ -56,10 +56,7 @@ class _StorageCache(DynamicCache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        layer = self.storage[layer_idx]
-        layer._key_buffer.index_copy_(2, self.write, key_states)
-        layer._value_buffer.index_copy_(2, self.write, value_states)
-        return layer._key_buffer, layer._value_buffer
+        return self.storage[layer_idx].write_at(self.write, key_states, value_states)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         raise TypeError("a fixed-shape forward has no sequence length; pass position_ids")
@@ -67,8 +64,7 @@ class _StorageCache(DynamicCache):
 
 def storage_key(cache) -> tuple:
     """What identifies a session's storage for its graphs: every layer's buffer addresses and capacity."""
-    return tuple((layer._key_buffer.data_ptr(), layer._value_buffer.data_ptr(), layer.capacity)
-                 for layer in cache.layers)
+    return tuple((*(buffer.data_ptr() for buffer in layer.storage), layer.capacity) for layer in cache.layers)
 
 
 class StaticStep:
@@ -80,7 +76,7 @@ class StaticStep:
                  pool=None) -> None:
         self.model, self.rows, self.hidden = model, rows, hidden  # no reference to the cache: it holds the steps
         self.windows, self.per_layer_type = windows, per_layer_type
-        first = cache.layers[0]._key_buffer
+        first = cache.layers[0].storage[0]
         self.device, self.capacity = first.device, first.shape[-2]
         self.dtype = next(model.parameters()).dtype
         self.ids = torch.zeros(1, rows, dtype=torch.long, device=self.device)
@@ -221,7 +217,7 @@ def clear_past(cache, stop: int) -> None:
     length = kv.cache_length(cache)
     if stop > length:
         torch._foreach_zero_([buffer[..., length:stop, :] for layer in cache.layers
-                              for buffer in (layer._key_buffer, layer._value_buffer)])
+                              for buffer in layer.storage])
 
 
 def commit_views(cache, length: int) -> None:

@@ -110,6 +110,22 @@ class PreallocatedLayer(DynamicLayer):
         self.end_at(length + n)
         return self.keys, self.values
 
+    @property
+    def storage(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole key and value storage [B, Hkv, capacity, D] (the cached positions first; what
+        lies past them is whatever a writer left there)."""
+        return self._key_buffer, self._value_buffer
+
+    def write_at(self, positions: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write key/value states [B, Hkv, n, D] into the storage at `positions` [n] (int64, on the
+        storage's device; each < `capacity`) without moving the cached length, and return the whole
+        storage [B, Hkv, capacity, D]: a fixed-shape forward's cache update (server/graphs.py), which
+        reads every storage position under its own mask and ends the views with `end_at`."""
+        self._key_buffer.index_copy_(2, positions, key_states)
+        self._value_buffer.index_copy_(2, positions, value_states)
+        return self._key_buffer, self._value_buffer
+
     def end_at(self, length: int) -> None:
         """The layer holds the first `length` positions of its storage (`keys` / `values` end there);
         for writers that fill the storage directly (`update`, server/graphs.py)."""

@@ -57,8 +57,8 @@ def test_fixed_shape_steps_survive_storage_growth_and_garbage_past_the_cache(sto
     def grow_with_nan(layer, needed):
         grow(layer, needed)
         length = layer.keys.shape[-2]
-        layer._key_buffer[..., length:, :] = float("nan")
-        layer._value_buffer[..., length:, :] = float("nan")
+        layer.storage[0][..., length:, :] = float("nan")
+        layer.storage[1][..., length:, :] = float("nan")
 
     monkeypatch.setattr(kv.PreallocatedLayer, "_grow", grow_with_nan)
     model = _model("llama-mqa-tied")
@@ -124,7 +124,7 @@ def test_rows_a_step_wrote_and_dropped_are_cleared(stories):
     length = kv.cache_length(session.cache)
     assert length == len(PROMPTS[0]) + 1
     for layer in session.cache.layers:
-        for buffer in (layer._key_buffer, layer._value_buffer):
+        for buffer in layer.storage:
             assert buffer[..., length: len(PROMPTS[0]) + 8, :].abs().sum() == 0
 
 

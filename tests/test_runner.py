@@ -129,13 +129,13 @@ def test_session_cache_equals_dynamic_cache_over_appends_commits_and_growth():
         new = [(torch.randn(1, 2, rows, 4, generator=gen), torch.randn(1, 2, rows, 4, generator=gen))
                for _ in range(3)]
         prefix = kv.cache_length(ref)
-        before = ours.layers[0]._key_buffer.data_ptr() if ours.layers else None
+        before = ours.layers[0].storage[0].data_ptr() if ours.layers else None
         capacity = ours.layers[0].capacity if ours.layers else 0
         for layer, (k, v) in enumerate(new):
             got_k, got_v = ours.update(k.clone(), v.clone(), layer)
             want_k, want_v = ref.update(k.clone(), v.clone(), layer)
             assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
-        if before is not None and ours.layers[0]._key_buffer.data_ptr() != before:
+        if before is not None and ours.layers[0].storage[0].data_ptr() != before:
             moves += 1
             assert prefix + rows > capacity  # it moved only because the rows did not fit
         keep = sorted(torch.randperm(rows, generator=gen)[: int(torch.randint(0, rows + 1, (1,), generator=gen))].tolist())
@@ -156,3 +156,19 @@ def test_session_cache_refuses_states_of_another_shape():
     with pytest.raises(ValueError, match="do not match"):
         cache.update(torch.zeros(1, 3, 1, 4), torch.zeros(1, 3, 1, 4), 0)
     assert kv.cache_length(cache) == 3  # nothing was written
+
+
+def test_preallocated_write_at_fills_storage_without_moving_the_cached_end():
+    """`write_at` (a fixed-shape forward's update) writes rows at given storage positions, leaves
+    the cached length alone and returns the whole storage; `end_at` then exposes what was written."""
+    cache = kv.SessionCache()
+    cache.update(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), 0)
+    layer = cache.layers[0]
+    layer.reserve(8)
+    keys, values = torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4)
+    storage_k, storage_v = layer.write_at(torch.tensor([5, 3]), keys, values)
+    assert storage_k.shape[-2] == layer.capacity >= 8 and kv.cache_length(cache) == 3
+    assert torch.equal(storage_k[..., 5, :], keys[..., 0, :]) and torch.equal(storage_v[..., 3, :], values[..., 1, :])
+    layer.end_at(6)
+    assert kv.cache_length(cache) == 6 and torch.equal(layer.keys[..., 3, :], keys[..., 1, :])
+    assert torch.equal(layer.keys[..., :3, :], torch.zeros(1, 2, 3, 4))  # the cached rows are untouched
