@@ -90,6 +90,17 @@ class StaticStep:
         self.graph = None
         self._out = None
 
+    @property
+    def nbytes(self) -> int:
+        """Device memory this step holds outside the shared graph pool: its fixed inputs and masks
+        [1, 1, rows, capacity] per attention kind, and once captured its outputs (logits [1, rows, V]
+        and hidden states [1, rows, H] per layer), which live until the session goes."""
+        held = [self.ids, self.positions, self.write, self.columns, *self.masks.values()]
+        if self._out is not None:
+            logits, hidden = self._out
+            held += [logits, *(hidden or ())]
+        return sum(t.numel() * t.element_size() for t in held)
+
     def _forward(self):
         mask = self.masks if self.per_layer_type else next(iter(self.masks.values()))
         out = self.model(input_ids=self.ids, cache=self._cache, use_cache=True, attention_mask=mask,
@@ -198,6 +209,13 @@ class StaticSteps:
             steps[(padded, hidden)] = StaticStep(self.model, cache, padded, self.windows, self.per_layer_type,
                                                  hidden, self.pool)
         return steps[(padded, hidden)]
+
+
+def held_bytes(cache) -> int:
+    """Bytes a session's fixed-shape steps hold (`StaticStep.nbytes` summed; 0 without steps). The
+    graphs' intermediate activations live in the runner's one shared pool and are not counted here."""
+    steps = getattr(cache, "_static_steps", None) or {}
+    return sum(step.nbytes for step in steps.values() if isinstance(step, StaticStep))
 
 
 def forget(cache, eager: bool = False) -> None:

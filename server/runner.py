@@ -80,6 +80,11 @@ class TargetRunner:
     def max_positions(self) -> int:
         return int(getattr(self.config, "max_position_embeddings", 2048))
 
+    def step_bytes(self, session: TargetSession) -> int:
+        """Memory a session holds beside its KV cache for fixed-shape verify steps (server/graphs.py
+        `held_bytes`: their inputs, masks and captured outputs), in bytes; 0 without `use_graphs`."""
+        return graphs.held_bytes(session.cache)
+
     @torch.inference_mode()
     def open(self, prompt_ids: list[int], sampling: SamplingParams, features: FeatureRequest
              ) -> tuple[TargetSession, FeatureBatch, float]:

@@ -69,6 +69,9 @@ class _Entry:
     last_reply: pb.VerifyReply | None = None
     closed: bool = False
     kv_tokens: int = 0  # positions its cache holds, set by the worker after each model call
+    # memory its fixed-shape verify steps hold (CUDA-graph inputs and outputs), as KV tokens of the
+    # same bytes: counted in the server-wide budgets, not in the session's own (a context limit)
+    step_tokens: int = 0
 
 
 @dataclass(eq=False)
@@ -178,7 +181,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         self.parser = ThreadPoolExecutor(max_workers=PARSE_THREADS, thread_name_prefix="parse")
         self._queued: set[Future] = set()  # model work submitted and not yet finished
         self.kv = KVBudget(limits, kv_bytes_per_token(runner.config, runner.dtype),
-                           held=lambda: sum(e.kv_tokens for e in list(self.sessions.values())))
+                           held=lambda: sum(e.kv_tokens + e.step_tokens for e in list(self.sessions.values())))
         self.rate = RateLimiter(limits.rate_limit_per_s, limits.rate_limit_burst) if limits.rate_limit_per_s else None
         self.authenticated = authenticated
         self.metrics = metrics if metrics is not None else ServiceMetrics()
@@ -435,6 +438,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
     def _record_step(self, item: _Step, out, started: float) -> pb.VerifyReply:
         entry, session = item.entry, item.entry.session
         entry.kv_tokens = cache_length(session.cache)
+        entry.step_tokens = -(-self.runner.step_bytes(session) // self.kv.bytes_per_token)
         reply = pb.VerifyReply(
             step=item.step, accepted_nodes=out.accept.accepted_nodes, accepted_tokens=out.accepted_tokens,
             bonus_token=out.accept.bonus_token, bonus_recovered=out.accept.recovered,

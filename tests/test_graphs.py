@@ -170,3 +170,21 @@ def test_serve_refuses_cuda_graphs_without_a_gpu_before_loading_anything(capsys)
 
     assert main(["serve", "--target", "/nonexistent/model", "--cuda-graphs"]) == 2
     assert "--cuda-graphs needs --device cuda" in capsys.readouterr().err
+
+
+def test_a_step_counts_the_memory_it_holds(stories):
+    """`StaticStep.nbytes` / `graphs.held_bytes`: a step's fixed inputs [rows] x 3, its column index
+    [capacity] and one mask [1, 1, rows, capacity] per attention kind (outputs once captured, on CUDA)."""
+    model, tokenizer, model_id = stories
+    runner = TargetRunner(model, tokenizer, model_id, use_graphs=True)
+    session, _, _ = runner.open([1, 40, 50, 60], SamplingParams(), FeatureRequest())
+    assert graphs.held_bytes(session.cache) == 0
+    runner.verify(session, DraftTree(tokens=(5, 6, 7), parents=(-1, 0, 1)))
+    (step,) = [s for key, s in session.cache._static_steps.items() if key != "key"]
+    capacity = session.cache.layers[0].capacity
+    element = torch.empty((), dtype=next(model.parameters()).dtype).element_size()
+    assert step.rows == 4 and step.graph is None
+    assert step.nbytes == 8 * (3 * step.rows + capacity) + len(runner.windows) * step.rows * capacity * element
+    assert graphs.held_bytes(session.cache) == runner.step_bytes(session) == step.nbytes
+    graphs.forget(session.cache)
+    assert graphs.held_bytes(session.cache) == 0

@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from splitspec.client.transport import (CHANNEL_OPTIONS, RemoteVerifier, channel_options, load_client_security,
                                         make_channel)
+from splitspec.server import graphs
 from splitspec.server.auth import TokenSet, bearer_token, client_identity, token_identity
 from splitspec.server.limits import KVBudget, RateLimiter, kv_bytes_per_token
 from splitspec.server.metrics import ServiceMetrics
@@ -507,6 +508,26 @@ def test_kv_budgets(spied, serve):
     assert server.servicer.kv.tokens == held
     stub.CloseSession(pb.CloseSessionRequest(session_id=a), timeout=10)
     assert _open(stub, fp, prompt=[7] * 6).session_id  # room again
+    channel.close()
+
+
+def test_kv_budgets_count_fixed_shape_steps(stories, serve):
+    """A session's fixed-shape steps (CUDA-graph inputs, masks and outputs) hold memory beside its
+    KV cache: the server-wide budgets count it, in KV tokens of the same bytes, until the session goes."""
+    model, tokenizer, model_id = stories
+    runner = TargetRunner(model, tokenizer, model_id, use_graphs=True)  # on the CPU the steps run eagerly
+    server = serve(runner, ServerLimits())
+    channel, stub = _stub(server.address)
+    sid = _open(stub, tokenizer_fingerprint(tokenizer), prompt=[7] * 10).session_id
+    assert server.servicer.kv.tokens == 10  # no step yet
+    assert _verify(stub, sid, 1, tokens=[5, 6, 7], parents=[-1, 0, 0]).step == 1
+    cache = server.servicer.sessions[sid].session.cache
+    held = graphs.held_bytes(cache)
+    assert held > 0 and runner.static.runs == 1
+    per_token = server.servicer.kv.bytes_per_token
+    assert server.servicer.kv.tokens == kv.cache_length(cache) + -(-held // per_token)
+    stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
+    assert server.servicer.kv.tokens == 0
     channel.close()
 
 
