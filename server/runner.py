@@ -80,6 +80,15 @@ class TargetRunner:
     def max_positions(self) -> int:
         return int(getattr(self.config, "max_position_embeddings", 2048))
 
+    def _elapsed_ms(self, start: float) -> float:
+        """Milliseconds since `start` (a perf_counter time) of the model work queued since: on CUDA
+        after a synchronize, so eager forwards (whose kernels are still queued when the call returns)
+        and graph replays (which return at once) report the same quantity, the kernels included. The
+        acceptance right after waits on the logits anyway, so the sync costs nothing extra."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return (time.perf_counter() - start) * 1e3
+
     def step_bytes(self, session: TargetSession) -> int:
         """Memory a session holds beside its KV cache for fixed-shape verify steps (server/graphs.py
         `held_bytes`: their inputs, masks and captured outputs), in bytes; 0 without `use_graphs`."""
@@ -98,7 +107,7 @@ class TargetRunner:
         start = time.perf_counter()
         out = self.model(input_ids=ids, cache=cache, use_cache=True,
                          output_hidden_states=bool(features.hidden_layers), logits_to_keep=1)
-        forward_ms = (time.perf_counter() - start) * 1e3
+        forward_ms = self._elapsed_ms(start)
         generator = make_generator(sampling.seed, Stream.TARGET)
         last = out.logits[0, -1]  # [V]
         history = list(prompt_ids[-sampling.penalty_window:]) if sampling.penalized else []
@@ -136,7 +145,7 @@ class TargetRunner:
                          attention_mask=self._tree_mask(buffers, prefix_len),
                          position_ids=buffers.position_ids(prefix_len).to(self.device),
                          output_hidden_states=hidden)
-        forward_ms = (time.perf_counter() - start) * 1e3
+        forward_ms = self._elapsed_ms(start)
         return self._accept_and_commit(session, tree, draft_probs, chain, prefix_len, out.logits[0], out.hidden_states,
                                        forward_ms)
 
@@ -152,8 +161,7 @@ class TargetRunner:
             if step is None:
                 return None
             logits, hidden_states = step.run(prefix_len, row_ids, buffers)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # a replay returns at once: time the kernels too
+            forward_ms = self._elapsed_ms(start)  # on CUDA a sync: a replay's failure shows here
         except torch.OutOfMemoryError:  # this session's step did not fit: it alone goes eager
             log.warning("fixed-shape verify ran out of memory; this session verifies eagerly from now on")
             graphs.forget(session.cache, eager=True)
@@ -165,7 +173,7 @@ class TargetRunner:
             return None
         graphs.commit_views(session.cache, prefix_len + len(row_ids))
         self.static.runs += 1
-        return logits, hidden_states, (time.perf_counter() - start) * 1e3, step.rows
+        return logits, hidden_states, forward_ms, step.rows
 
     @torch.inference_mode()
     def verify_batch(self, items: list[tuple[TargetSession, DraftTree, dict[int, SparseProbs] | None,
@@ -220,7 +228,7 @@ class TargetRunner:
         start = time.perf_counter()
         out = self.model(input_ids=ids, cache=cache, use_cache=True, attention_mask=mask,
                          position_ids=positions, output_hidden_states=hidden)
-        forward_ms = (time.perf_counter() - start) * 1e3
+        forward_ms = self._elapsed_ms(start)
         results: list[StepOutput | Exception] = []
         for b, ((session, tree, draft_probs, _), (prefix, chain, _, row_ids)) in enumerate(zip(items, preps)):
             rows = len(row_ids)
@@ -259,7 +267,7 @@ class TargetRunner:
             for (session, *_), (prefix, *_rest) in zip(items, preps):
                 kv.truncate(session.cache, prefix)
             raise
-        forward_ms = (time.perf_counter() - start) * 1e3
+        forward_ms = self._elapsed_ms(start)
         results: list[StepOutput | Exception] = []
         offset = 0
         for (session, tree, draft_probs, _), (prefix, chain, _, row_ids) in zip(items, preps):
