@@ -268,6 +268,9 @@ class Goal:
     bound: float
     at_least: bool
     unit: str = "x"
+    # 95% bootstrap interval over the run's prompts (paired where the goal is a ratio of two arms);
+    # None where the goal was measured without the answers, or NaNs where too few prompts
+    interval: tuple[float, float] | None = None
 
     @property
     def met(self) -> bool | None:
@@ -284,36 +287,84 @@ class Goal:
         shortfall = (self.bound - self.measured) / self.bound if self.at_least else (self.measured - self.bound) / self.bound
         return f"missed by {100 * shortfall:.0f}%"
 
+    @property
+    def resolved(self) -> bool | None:
+        """Whether the interval lies wholly on the verdict's side of the bound (the prompts tell met
+        from missed); None without an interval."""
+        if self.met is None or self.interval is None or any(math.isnan(x) for x in self.interval):
+            return None
+        low, high = self.interval
+        above = low >= self.bound
+        below = high < self.bound if self.at_least else high <= self.bound
+        return (above if self.at_least else below) if self.met else (below if self.at_least else low > self.bound)
+
     def line(self) -> str:
         sign = ">=" if self.at_least else "<="
         value = "n/a" if math.isnan(self.measured) else f"{self.measured:.2f}{self.unit}"
-        return f"{self.text}: goal {sign} {self.bound:g}{self.unit}, measured {value} -> {self.verdict()}"
+        text = f"{self.text}: goal {sign} {self.bound:g}{self.unit}, measured {value}"
+        if self.resolved is not None:
+            low, high = self.interval
+            text += f" (95% CI {low:.2f}{self.unit} to {high:.2f}{self.unit})"
+        verdict = self.verdict()
+        if self.resolved is False:
+            verdict += " (not resolved: the interval crosses the bound)"
+        return f"{text} -> {verdict}"
 
 
-def goals(groups: dict[GroupKey, GroupStats], profile: str = "4g") -> list[Goal]:
+def goals(groups: dict[GroupKey, GroupStats], profile: str = "4g",
+          records: Iterable[BenchRecord] | None = None) -> list[Goal]:
     """Issue 10's speed goals: under `profile`, for every split MoA variant in the run, tokens/s
     >= 1.5x remote autoregressive and >= 1.2x eagle2 (the plain 'eagle2' method if run, else the
     first eagle2 variant), server calls per generated token <= 0.4; then, for every single-device
     MoA variant, tokens/s >= 1.5x plain generate(). Goals whose rows are missing are returned as not
-    measured (NaN).
+    measured (NaN). With the run's `records`, each goal carries its 95% bootstrap interval over the
+    prompts (`goal_interval`), so a verdict says whether these prompts resolve it.
     """
     split = [k for k in groups if k.mode == "split" and k.profile == profile and k.category == ALL]
     moas = [k for k in split if drafter_kind(k.method) == "moa"] or [GroupKey("split", "moa", profile, ALL)]
     eagles = [k for k in split if drafter_kind(k.method) == "eagle2"]
     eagle = next((k for k in eagles if k.method == "eagle2"), eagles[0] if eagles else GroupKey("split", "eagle2", profile, ALL))
+    answers = _answers_by_arm(records) if records is not None else None
+
+    def interval(key: GroupKey, reference: GroupKey | None = None) -> tuple[float, float] | None:
+        return None if answers is None else goal_interval(answers, key, reference)
+
     out = []
     for moa in moas:
         calls = groups[moa].calls_per_token if moa in groups else math.nan
         out += [Goal(f"{moa.method} split tokens/s vs remote AR ({profile})",
-                     speedup(groups, moa, vs_remote_ar(moa)), 1.5, True),
+                     speedup(groups, moa, vs_remote_ar(moa)), 1.5, True, interval=interval(moa, vs_remote_ar(moa))),
                 Goal(f"{moa.method} split tokens/s vs {eagle.method} split ({profile})",
-                     speedup(groups, moa, eagle), 1.2, True),
-                Goal(f"{moa.method} server calls per generated token ({profile})", calls, 0.4, False, unit="")]
+                     speedup(groups, moa, eagle), 1.2, True, interval=interval(moa, eagle)),
+                Goal(f"{moa.method} server calls per generated token ({profile})", calls, 0.4, False, unit="",
+                     interval=interval(moa))]
     local = [k for k in groups if k.mode == "local" and k.category == ALL and k.method != BASELINE
              and drafter_kind(k.method) == "moa"]
     out += [Goal(f"{moa.method} single-device tokens/s vs generate()", speedup(groups, moa, vs_single_device_ar(moa)),
-                 1.5, True) for moa in local]
+                 1.5, True, interval=interval(moa, vs_single_device_ar(moa))) for moa in local]
     return out
+
+
+def _answers_by_arm(records: Iterable[BenchRecord]) -> dict[tuple[str, str, str | None], dict[tuple, AnswerRecord]]:
+    """{(mode, method, profile): {(category, id): answer}}: each arm's answers by prompt."""
+    arms: dict[tuple[str, str, str | None], dict[tuple, AnswerRecord]] = defaultdict(dict)
+    for r in records:
+        arms[(r.mode, r.method, r.profile)][(r.category, r.id)] = r.answer
+    return arms
+
+
+def goal_interval(answers: dict, key: GroupKey, reference: GroupKey | None = None) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of a goal's figure over prompts (shared/records.py): with a
+    `reference` arm, the pooled tokens/s ratio of `key` over it on the prompts both answered, each
+    resample keeping a prompt's two answers together (`paired_interval`); without, `key`'s server
+    calls per generated token. (NaN, NaN) where an arm is missing or fewer than two prompts count."""
+    mine = answers.get((key.mode, key.method, key.profile), {})
+    if reference is None:
+        rows = list(mine.values())
+        return paired_interval(rows, rows, lambda _, b: sum(r.target_calls for r in b) / max(1, sum(r.new_tokens for r in b)))
+    theirs = answers.get((reference.mode, reference.method, reference.profile), {})
+    prompts = [p for p in mine if p in theirs]
+    return paired_interval([theirs[p] for p in prompts], [mine[p] for p in prompts], speed_ratio)
 
 
 def feature_bytes(records: Iterable[BenchRecord], profile: str | None) -> list[tuple[str, str, str, GroupStats]]:

@@ -185,7 +185,7 @@ def goal_section(groups: dict[GroupKey, GroupStats], records: list[BenchRecord],
     the records are sampled answers (`exact` None: nothing to compare), else "greedy"."""
     decoding = "sampled" if any(r.exact is None for r in records) else "greedy"
     lines = [f"### Goals ({decoding}, {target or 'target'}, profile {profile})", ""]
-    lines += [f"- {g.line()}" for g in goals(groups, profile)]
+    lines += [f"- {g.line()}" for g in goals(groups, profile, records)]
     rows = feature_bytes(records, profile)
     if rows:
         lines += ["", f"Bytes per generated token by feature quantization ({profile}; decoding phase, and the "

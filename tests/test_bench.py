@@ -128,6 +128,36 @@ def test_goal_lines_say_met_or_missed_by_how_much():
     assert [g.verdict() for g in missing] == ["not measured"] * 3 + ["missed by 17%"]  # single-device needs no link
 
 
+def test_goal_lines_carry_a_paired_interval_and_say_when_it_crosses_the_bound():
+    """With the run's answers each goal gets its 95% bootstrap interval over prompts: a speed-up
+    paired with its reference arm prompt by prompt, calls per token over moa's own answers. Every
+    prompt here gives moa 2.0x remote AR except one at 1.0x, so the pooled ratio meets 1.5x only
+    with the interval crossing it; a constant 2.0x resolves it."""
+    def run(slow_prompts):
+        rows = []
+        for i, category in enumerate(("writing", "math", "qa", "coding", "stem", "rag")):
+            moa_elapsed = 1.0 if i < slow_prompts else 0.5
+            rows += [record("split", "none", "4g", category, tokens=8, calls=8, elapsed=1.0),
+                     record("split", "eagle2", "4g", category, tokens=8, calls=3, elapsed=0.5),
+                     record("split", "moa", "4g", category, tokens=8, calls=2 + i % 2, elapsed=moa_elapsed)]
+        return rows
+    crossing = goals(aggregate(run(1)), "4g", run(1))
+    assert crossing[0].measured == pytest.approx(6 / 3.5) and crossing[0].met
+    low, high = crossing[0].interval
+    assert low < 1.5 < high and crossing[0].resolved is False
+    assert crossing[0].line().endswith("-> met (not resolved: the interval crosses the bound)")
+    assert "(95% CI " in crossing[0].line()
+    steady = goals(aggregate(run(0)), "4g", run(0))
+    assert steady[0].interval == (pytest.approx(2.0), pytest.approx(2.0)) and steady[0].resolved is True
+    assert steady[0].line() == ("moa split tokens/s vs remote AR (4g): goal >= 1.5x, measured 2.00x "
+                                "(95% CI 2.00x to 2.00x) -> met")
+    calls = steady[2]  # 2 or 3 calls for 8 tokens: 15 / 48 pooled, every resample between 0.25 and 0.375
+    assert calls.measured == pytest.approx(15 / 48) and 0.25 <= calls.interval[0] <= calls.interval[1] <= 0.375
+    assert calls.resolved is True and calls.line().endswith("-> met")
+    assert steady[1].resolved is True and not steady[1].met  # moa ties eagle2 on every prompt: 1.0x, missed
+    assert goals(aggregate(run(0)), "4g")[0].interval is None  # without the answers: no interval, as before
+
+
 def test_feature_bytes_one_row_per_quantization():
     rows = feature_bytes(synthetic_run(), "4g")
     assert [(m, lsa, quant, g.bytes_up_per_token, g.bytes_down_per_token, g.open_kib_down) for m, lsa, quant, g in rows] \
