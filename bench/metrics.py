@@ -294,9 +294,9 @@ class Goal:
         if self.met is None or self.interval is None or any(math.isnan(x) for x in self.interval):
             return None
         low, high = self.interval
-        above = low >= self.bound
-        below = high < self.bound if self.at_least else high <= self.bound
-        return (above if self.at_least else below) if self.met else (below if self.at_least else low > self.bound)
+        if self.at_least:
+            return low >= self.bound if self.met else high < self.bound
+        return high <= self.bound if self.met else low > self.bound
 
     def line(self) -> str:
         sign = ">=" if self.at_least else "<="
