@@ -24,7 +24,8 @@ multiplied by a mask, and uninitialised memory may hold NaN.
 
 Memory: each captured step keeps its own outputs (logits [rows, V] and any hidden states) for as
 long as its session lives; a session that used every bucket holds ~127 rows of logits (65 MB for a
-128K vocabulary in fp32) besides its KV. The intermediate activations of all graphs share one pool.
+128K vocabulary in fp32) besides its KV, which the server's KV budgets count (`held_bytes`). The
+intermediate activations of all graphs share one pool.
 """
 from __future__ import annotations
 
@@ -50,13 +51,13 @@ class _StorageCache(DynamicCache):
     into the session's storage at `write` [R] (device positions), and attention gets the whole
     storage [1, Hkv, capacity, D]. Nothing is stored here."""
 
-    def __init__(self, layers: list, write: torch.Tensor) -> None:
+    def __init__(self, session_layers: list, write: torch.Tensor) -> None:
         Cache.__init__(self, layer_class_to_replicate=DynamicLayer)
-        self.storage, self.write = layers, write
+        self.session_layers, self.write = session_layers, write
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.storage[layer_idx].write_at(self.write, key_states, value_states)
+        return self.session_layers[layer_idx].write_at(self.write, key_states, value_states)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         raise TypeError("a fixed-shape forward has no sequence length; pass position_ids")
@@ -199,23 +200,27 @@ class StaticSteps:
         needed = kv.cache_length(cache) + padded
         for layer in layers:
             layer.reserve(needed)
-        steps = getattr(cache, "_static_steps", None)
         key = storage_key(cache)
-        if steps is None or steps["key"] != key:
+        if getattr(cache, "_static_steps", (None,))[0] != key:
             clear_past(cache, layers[0].capacity)  # fresh storage: no NaN may hide in the masked positions
-            steps = {"key": key}
-            cache._static_steps = steps
+            cache._static_steps = (key, {})  # (the storage they were built for, {(rows, hidden): step})
+        steps = cache._static_steps[1]
         if (padded, hidden) not in steps:
             steps[(padded, hidden)] = StaticStep(self.model, cache, padded, self.windows, self.per_layer_type,
                                                  hidden, self.pool)
         return steps[(padded, hidden)]
 
 
+def session_steps(cache) -> list[StaticStep]:
+    """The fixed-shape steps a session's cache holds now (those built for its current storage)."""
+    held = getattr(cache, "_static_steps", None)
+    return list(held[1].values()) if held is not None else []
+
+
 def held_bytes(cache) -> int:
     """Bytes a session's fixed-shape steps hold (`StaticStep.nbytes` summed; 0 without steps). The
     graphs' intermediate activations live in the runner's one shared pool and are not counted here."""
-    steps = getattr(cache, "_static_steps", None) or {}
-    return sum(step.nbytes for step in steps.values() if isinstance(step, StaticStep))
+    return sum(step.nbytes for step in session_steps(cache))
 
 
 def forget(cache, eager: bool = False) -> None:

@@ -152,9 +152,10 @@ class TargetRunner:
     def _fixed_shape_forward(self, session: TargetSession, prefix_len: int, buffers, row_ids: list[int],
                              hidden: bool):
         """The step as a fixed-shape forward (server/graphs.py): (logits [M, V], hidden states or
-        None, ms, padded rows), or None where it runs eagerly (too many rows). A failure (a capture
-        the model does not allow) switches this runner to eager steps for good, with a log line;
-        the session's cache still ends where it did before the step."""
+        None, ms, padded rows), or None where it runs eagerly (too many rows). Running out of memory
+        sends this session alone to eager steps; any other failure (a capture the model does not
+        allow) switches this runner to eager steps for good, with a log line. Either way the
+        session's cache still ends where it did before the step."""
         start = time.perf_counter()
         try:
             step = self.static.step(session.cache, len(row_ids), hidden)

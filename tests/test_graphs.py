@@ -38,7 +38,7 @@ def check_fixed_shape_equals_eager(model, family: str, tokenizer, steps: int = 8
     assert runner.static.runs == steps * len(PROMPTS)
     if next(model.parameters()).device.type == "cuda":  # every step was replayed from a captured graph
         for session in fixed_sessions:
-            built = [step for key, step in session.cache._static_steps.items() if key != "key"]
+            built = graphs.session_steps(session.cache)
             assert built and all(step.graph is not None for step in built)
     assert_same_steps(family, eager, eager_sessions, fixed, fixed_sessions, refs)
 
@@ -148,7 +148,7 @@ def test_a_step_out_of_memory_sends_only_its_session_to_eager(stories, monkeypat
     victim = sessions[0].cache.layers[0]
 
     def out_of_memory(step, *args):
-        if step._cache.storage[0] is victim:
+        if step._cache.session_layers[0] is victim:
             raise torch.OutOfMemoryError("no room")
         return run(step, *args)
 
@@ -180,7 +180,7 @@ def test_a_step_counts_the_memory_it_holds(stories):
     session, _, _ = runner.open([1, 40, 50, 60], SamplingParams(), FeatureRequest())
     assert graphs.held_bytes(session.cache) == 0
     runner.verify(session, DraftTree(tokens=(5, 6, 7), parents=(-1, 0, 1)))
-    (step,) = [s for key, s in session.cache._static_steps.items() if key != "key"]
+    (step,) = graphs.session_steps(session.cache)
     capacity = session.cache.layers[0].capacity
     element = torch.empty((), dtype=next(model.parameters()).dtype).element_size()
     assert step.rows == 4 and step.graph is None
