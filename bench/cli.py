@@ -96,7 +96,7 @@ def cmd_verify_cost(args) -> None:
 def _add_verify_cost_parser(sub) -> None:
     p = sub.add_parser("verify-cost", help="one verify step's cost in fp32 and bf16 against the bandwidth floor")
     p.add_argument("--target", default=DEFAULT_TARGET,
-                   help="a model name, or random:llama-8b (Llama-3-8B's shape, random weights; with --prompts 0)")
+                   help="a model name, or random:llama-8b or random:smollm2-135m (that shape, random weights; with --prompts 0)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--context", type=int, default=300, help="prefix tokens before the timed step")
     p.add_argument("--repeats", type=int, default=10)

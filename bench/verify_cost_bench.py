@@ -51,11 +51,15 @@ from .prompts import load_prompts
 POSITIONS = (1, 2, 5, 9, 25)
 RANDOM = "random:"
 # Llama shapes built with random weights (`--target random:NAME`): llama-8b is Llama-3-8B's
-# (meta-llama/Meta-Llama-3-8B config.json); llama-tiny is for tests.
+# (meta-llama/Meta-Llama-3-8B config.json); smollm2-135m is the default target's (its config.json),
+# for timing the served shape where the target's weights cannot travel; llama-tiny is for tests.
 RANDOM_SHAPES = {
     "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
                      rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
+                         rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True),
     "llama-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024),
 }

@@ -69,6 +69,24 @@ def test_random_shape_target_is_timed_without_a_tokenizer():
         random_model("llama-9b", "float32", "cpu")
 
 
+def test_the_smollm2_random_shape_is_the_default_target_s():
+    """random:smollm2-135m stands in for the served target where its weights cannot travel (a lent
+    GPU's single transfer): its shape must be the pulled checkpoint's, field for field."""
+    from transformers import AutoConfig
+
+    from splitspec.bench.verify_cost_bench import RANDOM_SHAPES
+    from splitspec.shared.models import pull
+
+    try:
+        path = pull("smollm2-135m")
+    except RuntimeError as err:
+        pytest.skip(f"SmolLM2-135M unavailable: {err}")
+    real = AutoConfig.from_pretrained(path)
+    for field, value in RANDOM_SHAPES["smollm2-135m"].items():
+        got = real.rope_parameters["rope_theta"] if field == "rope_theta" else getattr(real, field)
+        assert got == pytest.approx(value, rel=1e-6), field
+
+
 def test_verify_cost_runs_end_to_end_on_a_random_shape(capsys):
     """The whole command on the tiny random shape: a table row per dtype, goals printed; asking for
     the agreement check without a tokenizer is refused up front."""
