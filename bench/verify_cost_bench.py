@@ -140,11 +140,13 @@ def step_ms(model, context: int, positions: int, repeats: int, forward=None) -> 
     return statistics.median(times[1:]), out.logits[0].float().cpu()
 
 
-def runner_step_ms(model, context: int, positions: int, repeats: int, use_graphs: bool) -> float:
+def runner_step_ms(model, context: int, positions: int, repeats: int, use_graphs: bool) -> tuple[float, float]:
     """Median ms of a whole verify step through `TargetRunner` (forward, greedy acceptance, KV commit)
-    of a chain of `positions` rows after `context` random tokens; the session is cut back to its
-    prefix after every step, so each step has the same shape. The first step (a graph's capture)
-    is not counted."""
+    of a chain of `positions` rows after `context` random tokens, and the median of the forward's
+    own part of it (`StepOutput.forward_ms`: for a replay, the inputs copied in and the graph run,
+    synchronised); the rest is the runner's host work around the forward. The session is cut back
+    to its prefix after every step, so each step has the same shape. The first step (a graph's
+    capture) is not counted."""
     runner = TargetRunner(model, None, "verify-cost", use_graphs=use_graphs)
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(context * 1000 + positions)
@@ -153,18 +155,19 @@ def runner_step_ms(model, context: int, positions: int, repeats: int, use_graphs
     pending = session.pending_token
     tree = DraftTree.chain(torch.randint(0, vocab, (positions - 1,), generator=generator).tolist())
     device = next(model.parameters()).device
-    times = []
+    times, forwards = [], []
     for _ in range(repeats + 1):
         _sync(device)
         start = time.perf_counter()
-        runner.verify(session, tree)
+        out = runner.verify(session, tree)
         _sync(device)
         times.append((time.perf_counter() - start) * 1e3)
+        forwards.append(out.forward_ms)
         kv.truncate(session.cache, context)
         session.pending_token = pending
     if use_graphs and (runner.static is None or not runner.static.runs):
         raise RuntimeError("the fixed-shape verify step failed; see the log above")
-    return statistics.median(times[1:])
+    return statistics.median(times[1:]), statistics.median(forwards[1:])
 
 
 def batched_ms(model, context: int, nodes: int, batches: list[int], repeats: int) -> dict[int, float]:
@@ -312,14 +315,17 @@ def cmd_verify_cost(args) -> None:
                   f"after {args.context} tokens), eager and replayed from CUDA graphs (server/graphs.py), median of "
                   f"{args.repeats}" + ("" if device == "cuda" else " (on a CPU no graph: the fixed-shape forward runs "
                                         "eagerly, a dry run of this table)") + ":", "", "| dtype | linear | " + " | ".join(f"{n} pos ms eager / graphs" for n in POSITIONS)
-                  + " | 1 pos graphs / floor | 25 pos / 1 pos (graphs) |",
-                  "|---|---|" + "---|" * len(POSITIONS) + "---|---|"]
+                  + " | 1 pos graphs / floor | 25 pos / 1 pos (graphs) | 1 pos graphs: forward / rest ms |",
+                  "|---|---|" + "---|" * len(POSITIONS) + "---|---|---|"]
         for (name, linear), model in variants.items():
-            eager = {n: runner_step_ms(model, args.context, n, args.repeats, False) for n in POSITIONS}
-            graphed = {n: runner_step_ms(model, args.context, n, args.repeats, True) for n in POSITIONS}
+            eager = {n: runner_step_ms(model, args.context, n, args.repeats, False)[0] for n in POSITIONS}
+            split = {n: runner_step_ms(model, args.context, n, args.repeats, True) for n in POSITIONS}
+            graphed = {n: total for n, (total, _) in split.items()}
+            forward = split[1][1]
             floor = floors[(name, linear)]
             lines.append(f"| {name} | {linear} | " + " | ".join(f"{eager[n]:.2f} / {graphed[n]:.2f}" for n in POSITIONS)
-                         + f" | {graphed[1] / floor:.2f}x | {graphed[25] / graphed[1]:.2f}x |")
+                         + f" | {graphed[1] / floor:.2f}x | {graphed[25] / graphed[1]:.2f}x"
+                         + f" | {forward:.2f} / {graphed[1] - forward:.2f} |")
             print(f"{name} {linear} graphs: " + ", ".join(f"{n} pos {t:.2f} ms" for n, t in graphed.items()),
                   file=sys.stderr)
             how = "with CUDA graphs" if device == "cuda" else "fixed-shape, no graph (a CPU dry run)"

@@ -105,6 +105,10 @@ def test_verify_cost_runs_end_to_end_on_a_random_shape(capsys):
     assert "Whole verify steps through TargetRunner" in out and "a dry run of this table" in out
     assert "float32 torch fixed-shape, no graph (a CPU dry run): one-position step / floor" in out
     assert len([line for line in out.splitlines() if line.startswith("| float32 | torch |")]) == 3  # all three tables
+    # the graphs row splits the one-position step into the forward and the runner's work around it
+    graphs_row = [line for line in out.splitlines() if line.startswith("| float32 | torch |")][-1]
+    forward, rest = (float(x) for x in graphs_row.rstrip(" |").rsplit("|", 1)[1].split(" / "))
+    assert forward > 0 and rest > 0
     with pytest.raises(SystemExit, match="--prompts 0"):
         cmd_verify_cost(argparse.Namespace(**{**vars(args), "prompts": 2}))
 
