@@ -95,6 +95,24 @@ def accept_length_interval(records: Iterable[AnswerRecord], level: float = 0.95,
     return _central(ratios, level)
 
 
+def bootstrap_interval(records: Sequence[R], statistic: Callable[[list[R]], float], level: float = 0.95,
+                       resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of `statistic(records)` over one arm's per-prompt records (the
+    one-sample counterpart of `paired_interval`; e.g. server calls per generated token pooled over
+    answers). Deterministic for a given `seed`.
+
+    Returns:
+        (low, high); (NaN, NaN) with fewer than two records or where no resample gives a finite value.
+    Raises:
+        ValueError: `level` outside (0, 1) or `resamples` < 1.
+    """
+    _check_bootstrap(level, resamples)
+    if len(records) < 2:
+        return math.nan, math.nan
+    draws = _draws(len(records), resamples, seed).tolist()
+    return _central([statistic([records[i] for i in row]) for row in draws], level)
+
+
 def paired_interval(base: Sequence[R], other: Sequence[R], statistic: Callable[[list[R], list[R]], float],
                     level: float = 0.95, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
     """Percentile bootstrap interval of `statistic(base, other)` with the prompts drawn jointly:

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from splitspec.shared.records import (AnswerRecord, accept_length, accept_length_interval, paired_interval,
-                                      speed_ratio, tau_difference)
+from splitspec.shared.records import (AnswerRecord, accept_length, accept_length_interval, bootstrap_interval,
+                                      paired_interval, speed_ratio, tau_difference)
 
 
 def answer(verify_tokens: int, verify_calls: int) -> AnswerRecord:
@@ -72,6 +72,22 @@ def test_paired_interval_keeps_pairs_together_and_refuses_unpaired_input():
     assert all(math.isnan(x) for x in paired_interval(base[:1], other[:1], tau_difference))
     with pytest.raises(ValueError, match="paired"):
         paired_interval(base, other[:2], tau_difference)
+
+
+def test_bootstrap_interval_resamples_one_arm():
+    """One arm's pooled figure: equal records give a point; unequal ones an interval within their
+    extremes that contains the full sample's figure; too few records give NaN, bad settings an error."""
+    def pooled(rows):
+        return sum(r.target_calls for r in rows) / sum(r.new_tokens for r in rows)
+
+    same = [AnswerRecord(10, 5, 1.0)] * 4
+    assert bootstrap_interval(same, pooled) == (pytest.approx(0.5), pytest.approx(0.5))
+    mixed = [AnswerRecord(10, 2, 1.0), AnswerRecord(10, 8, 1.0), AnswerRecord(10, 5, 1.0), AnswerRecord(10, 4, 1.0)]
+    low, high = bootstrap_interval(mixed, pooled)
+    assert 0.2 <= low < pooled(mixed) < high <= 0.8
+    assert all(math.isnan(x) for x in bootstrap_interval(mixed[:1], pooled))
+    with pytest.raises(ValueError, match="level"):
+        bootstrap_interval(mixed, pooled, level=1.5)
 
 
 def test_speed_ratio_pools_tokens_and_time():
