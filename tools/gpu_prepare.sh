@@ -12,9 +12,10 @@
 #   .gpu-c/stories260K  the tiny real Llama the tests use (../shared/models/stories260K)
 #   .gpu-c/job.sh  tools/gpu_job.sh
 #   .gpu-c/question.jsonl  Spec-Bench's prompts, for tools/gpu_checks.sh
-#   .gpu-e         the wheels of .gpu-a, .gpu-b and .gpu-c without the target or data (~32 MB): one
-#                  transfer for tools/gpu_shapes.sh, the CUDA timings on random weights of the served
-#                  shape and an 8B one when too little device time is left for the three above
+#   .gpu-e         the wheels of .gpu-a, .gpu-b and .gpu-c and stories260K, without SmolLM2 or data
+#                  (~43 MB): one transfer for tools/gpu_quick.sh, tests/test_cuda.py and the CUDA timings
+#                  on random weights of the served shape and an 8B one, when too little device time is
+#                  left for the three above
 #   .gpu-d/moa-tli1  only with WITH_TLI1=1: the shipped moa-tli1, for DRAFTERS=moa,eagle2,moa:tli=1
 #                  (tools/gpu_job.sh). It has no room in .gpu-c (58 MB without it), so it travels in a
 #                  fourth call before .gpu-c's, carry [".gpu-d"], `rm -rf /tmp/gpu-d && cp -r .gpu-d /tmp/gpu-d`.
@@ -46,7 +47,8 @@ cp data/smollm2-answers*.jsonl.gz .gpu-b/data/
 cp -r client/checkpoints/smollm2-135m/moa-tli0 client/checkpoints/smollm2-135m/eagle2 .gpu-c/init/
 rm -rf .gpu-d
 if [ "${WITH_TLI1:-0}" = 1 ]; then mkdir -p .gpu-d && cp -r client/checkpoints/smollm2-135m/moa-tli1 .gpu-d/; fi
-rm -rf .gpu-e && mkdir .gpu-e && cp .gpu-a/*.whl .gpu-b/wheels/*.whl .gpu-c/wheels/grpcio-*.whl .gpu-e/
+rm -rf .gpu-e && mkdir -p .gpu-e/wheels && cp .gpu-a/*.whl .gpu-b/wheels/*.whl .gpu-c/wheels/*.whl .gpu-e/wheels/
+cp -r .gpu-c/stories260K .gpu-e/
 cp tools/gpu_job.sh .gpu-c/job.sh
 cp "$root/../shared/data/spec_bench/question.jsonl" .gpu-c/  # tools/gpu_checks.sh's prompts (no ../shared there)
 du -sh .gpu-a .gpu-b .gpu-c .gpu-e $([ -d .gpu-d ] && echo .gpu-d)
