@@ -11,7 +11,11 @@
 #    continues the shipped moa-tli1 as well (tools/gpu_prepare.sh with WITH_TLI1=1 builds .gpu-d);
 # 3. copy what must survive under $OUT after each phase (at most 8 files of 16 MB come back), with
 #    train-profile.txt: torch.profiler over training steps 2-4 (operators by CUDA time, peak memory).
-# Settings by environment: DEVICE DISTILL_S DBATCH TRAIN_MIN BATCH LR STAIRCASE MAXLEN EVALP R DRAFTERS INIT.
+# Settings by environment: DEVICE DISTILL_S DBATCH TRAIN_MIN BATCH LR STAIRCASE MAXLEN EVALP R DRAFTERS INIT
+# CALL_END. CALL_END (epoch seconds, e.g. `CALL_END=$(( $(date +%s) + 545 ))` set at the start of the call's
+# command, before gpu_site.sh and bootstrap.sh) shortens TRAIN_MIN so that training, its final evaluation
+# and the copies end before it: in session 41 the bootstrap's minute ran outside the job's clock and the
+# call's timeout fell on the copies.
 # LR and STAIRCASE default to a continuation's (sessions 31-35, docs/training.md): the shipped pair
 # is past its start, so lr 1.5e-4 (between the CPU runs' 1e-4 and 2e-4 at this batch of 32; session
 # 26's 3e-4 was the pair at 10M tokens) and no staircase (the SA ramp is for a drafter from scratch;
@@ -40,6 +44,10 @@ if [ "$DISTILL_S" -gt 0 ]; then
   gzip -c "$R/$GROWN" > "$OUT/$GROWN.gz"
 fi
 
+if [ -n "${CALL_END:-}" ]; then  # leave ~100 s for loading, the final evaluation and the copies
+  fit=$(python3 -c "print(round(max(0.5, min($TRAIN_MIN, ($CALL_END - $(date +%s) - 100) / 60)), 2))")
+  if python3 -c "import sys; sys.exit(0 if $fit < $TRAIN_MIN else 1)"; then log "TRAIN_MIN $TRAIN_MIN -> $fit (CALL_END)"; TRAIN_MIN=$fit; fi
+fi
 DATA=$(ls .gpu-b/data/*.jsonl.gz | grep -v "/$GROWN.gz$" | paste -sd, -),$R/$GROWN
 train() {  # $1 dtype, $2 minutes, $3 run folder
   timeout $(python3 -c "print(int($2 * 60 + 150))") splitspec train --drafter "$DRAFTERS" --device "$DEVICE" \
