@@ -130,11 +130,8 @@ def paired_interval(base: Sequence[R], other: Sequence[R], statistic: Callable[[
     """
     if len(base) != len(other):
         raise ValueError(f"paired answers: {len(base)} against {len(other)}")
-    _check_bootstrap(level, resamples)
-    if len(base) < 2:
-        return math.nan, math.nan
-    draws = _draws(len(base), resamples, seed).tolist()
-    return _central([statistic([base[i] for i in row], [other[i] for i in row]) for row in draws], level)
+    return bootstrap_interval(list(zip(base, other)),
+                              lambda pairs: statistic([b for b, _ in pairs], [o for _, o in pairs]), level, resamples, seed)
 
 
 def _check_bootstrap(level: float, resamples: int) -> None:
