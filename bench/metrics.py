@@ -46,7 +46,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from splitspec.shared.drafters.spec import DrafterSpec
-from splitspec.shared.records import (AnswerRecord, accept_length, accept_length_interval, bootstrap_interval,
+from splitspec.shared.records import (AnswerRecord, accept_length, accept_length_interval, bootstrap_interval, calls_per_token,
                                       paired_interval, speed_ratio, tau_difference)
 
 ALL = "all"  # the category of an aggregate over every category
@@ -360,8 +360,7 @@ def goal_interval(answers: dict, key: GroupKey, reference: GroupKey | None = Non
     calls per generated token, its answers resampled (`bootstrap_interval`). (NaN, NaN) where an arm is missing or fewer than two prompts count."""
     mine = answers.get((key.mode, key.method, key.profile), {})
     if reference is None:
-        return bootstrap_interval(list(mine.values()),
-                                  lambda rows: sum(r.target_calls for r in rows) / max(1, sum(r.new_tokens for r in rows)))
+        return bootstrap_interval(list(mine.values()), calls_per_token)
     theirs = answers.get((reference.mode, reference.method, reference.profile), {})
     prompts = [p for p in mine if p in theirs]
     return paired_interval([theirs[p] for p in prompts], [mine[p] for p in prompts], speed_ratio)

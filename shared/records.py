@@ -67,6 +67,16 @@ def accept_length(records: Iterable[AnswerRecord]) -> float:
     return tokens / calls if calls > 0 else math.nan
 
 
+def calls_per_token(records: Iterable[AnswerRecord]) -> float:
+    """Server calls (open + verify) per generated token pooled over `records`:
+    sum(target_calls) / sum(new_tokens); NaN when no token was generated."""
+    tokens = calls = 0
+    for r in records:
+        tokens += r.new_tokens
+        calls += r.target_calls
+    return calls / tokens if tokens > 0 else math.nan
+
+
 def accept_length_interval(records: Iterable[AnswerRecord], level: float = 0.95, resamples: int = 2000,
                            seed: int = 0) -> tuple[float, float]:
     """Percentile bootstrap interval of `accept_length` over answers (Efron and Tibshirani, "An

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from splitspec.shared.records import (AnswerRecord, accept_length, accept_length_interval, bootstrap_interval,
-                                      paired_interval, speed_ratio, tau_difference)
+                                      calls_per_token, paired_interval, speed_ratio, tau_difference)
 
 
 def answer(verify_tokens: int, verify_calls: int) -> AnswerRecord:
@@ -96,3 +96,12 @@ def test_speed_ratio_pools_tokens_and_time():
     assert speed_ratio(base, other) == pytest.approx(2.0)
     assert paired_interval(base, other, speed_ratio) == (pytest.approx(2.0), pytest.approx(2.0))
     assert math.isnan(speed_ratio(base, [AnswerRecord(10, 3, 0.0)]))
+
+
+def test_calls_per_token_pools_calls_over_tokens():
+    """Pooled, not a mean of ratios: 5 + 10 calls over 10 + 40 tokens is 0.3 (the answers' own 0.5
+    and 0.25 average 0.375); no tokens at all is NaN, not zero."""
+    records = [AnswerRecord(10, 5, 1.0), AnswerRecord(40, 10, 1.0)]
+    assert calls_per_token(records) == pytest.approx(0.3)
+    assert math.isnan(calls_per_token([]))
+    assert bootstrap_interval(records[:1] * 2, calls_per_token) == (pytest.approx(0.5), pytest.approx(0.5))
