@@ -29,6 +29,7 @@ Measured here, in one process:
 """
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 import time
@@ -140,13 +141,16 @@ def step_ms(model, context: int, positions: int, repeats: int, forward=None) -> 
     return statistics.median(times[1:]), out.logits[0].float().cpu()
 
 
-def runner_step_ms(model, context: int, positions: int, repeats: int, use_graphs: bool) -> tuple[float, float]:
+def runner_step_ms(model, context: int, positions: int, repeats: int, use_graphs: bool
+                   ) -> tuple[float, float, float]:
     """Median ms of a whole verify step through `TargetRunner` (forward, greedy acceptance, KV commit)
-    of a chain of `positions` rows after `context` random tokens, and the median of the forward's
-    own part of it (`StepOutput.forward_ms`: for a replay, the inputs copied in and the graph run,
-    synchronised); the rest is the runner's host work around the forward. The session is cut back
-    to its prefix after every step, so each step has the same shape. The first step (a graph's
-    capture) is not counted."""
+    of a chain of `positions` rows after `context` random tokens, the median of the forward's own
+    part of it (`StepOutput.forward_ms`: for a replay, the inputs copied in and the graph run,
+    synchronised; the rest is the runner's host work around the forward), and the ms of the
+    session's first step, which the medians leave out: with graphs on CUDA it captures the step's
+    graph (a warm-up forward, the capture, the first replay), the cost a session pays once per row
+    bucket and storage. The session is cut back to its prefix after every step, so each step has
+    the same shape."""
     runner = TargetRunner(model, None, "verify-cost", use_graphs=use_graphs)
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(context * 1000 + positions)
@@ -167,7 +171,15 @@ def runner_step_ms(model, context: int, positions: int, repeats: int, use_graphs
         session.pending_token = pending
     if use_graphs and (runner.static is None or not runner.static.runs):
         raise RuntimeError("the fixed-shape verify step failed; see the log above")
-    return statistics.median(times[1:]), statistics.median(forwards[1:])
+    return statistics.median(times[1:]), statistics.median(forwards[1:]), times[0]
+
+
+def break_even_steps(first: float, replayed: float, eager: float) -> float:
+    """Steps after which capturing a graph has paid for itself: the first (capturing) step's extra
+    cost over a replay, `first - replayed`, divided by what each replay saves, `eager - replayed`
+    (ms); inf where replay saves nothing."""
+    saved = eager - replayed
+    return (first - replayed) / saved if saved > 0 else math.inf
 
 
 def batched_ms(model, context: int, nodes: int, batches: list[int], repeats: int) -> dict[int, float]:
@@ -315,17 +327,21 @@ def cmd_verify_cost(args) -> None:
                   f"after {args.context} tokens), eager and replayed from CUDA graphs (server/graphs.py), median of "
                   f"{args.repeats}" + ("" if device == "cuda" else " (on a CPU no graph: the fixed-shape forward runs "
                                         "eagerly, a dry run of this table)") + ":", "", "| dtype | linear | " + " | ".join(f"{n} pos ms eager / graphs" for n in POSITIONS)
-                  + " | 1 pos graphs / floor | 25 pos / 1 pos (graphs) | 1 pos graphs: forward / rest ms |",
-                  "|---|---|" + "---|" * len(POSITIONS) + "---|---|---|"]
+                  + " | 1 pos graphs / floor | 25 pos / 1 pos (graphs) | 1 pos graphs: forward / rest ms "
+                  "| first step with graphs (capture) ms, 1 / 25 pos | capture paid back after steps, 1 / 25 pos |",
+                  "|---|---|" + "---|" * len(POSITIONS) + "---|---|---|---|---|"]
         for (name, linear), model in variants.items():
             eager = {n: runner_step_ms(model, args.context, n, args.repeats, False)[0] for n in POSITIONS}
             split = {n: runner_step_ms(model, args.context, n, args.repeats, True) for n in POSITIONS}
-            graphed = {n: total for n, (total, _) in split.items()}
+            graphed = {n: total for n, (total, _, _) in split.items()}
+            first = {n: first for n, (_, _, first) in split.items()}
             forward = split[1][1]
             floor = floors[(name, linear)]
+            paid = {n: break_even_steps(first[n], graphed[n], eager[n]) for n in (1, 25)}
             lines.append(f"| {name} | {linear} | " + " | ".join(f"{eager[n]:.2f} / {graphed[n]:.2f}" for n in POSITIONS)
                          + f" | {graphed[1] / floor:.2f}x | {graphed[25] / graphed[1]:.2f}x"
-                         + f" | {forward:.2f} / {graphed[1] - forward:.2f} |")
+                         + f" | {forward:.2f} / {graphed[1] - forward:.2f} | {first[1]:.1f} / {first[25]:.1f}"
+                         + f" | {paid[1]:.1f} / {paid[25]:.1f} |")
             print(f"{name} {linear} graphs: " + ", ".join(f"{n} pos {t:.2f} ms" for n, t in graphed.items()),
                   file=sys.stderr)
             how = "with CUDA graphs" if device == "cuda" else "fixed-shape, no graph (a CPU dry run)"

@@ -3,6 +3,8 @@
 plain causal forward over prefix + step, and a substitute forward (the compiled one) is what runs."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -105,10 +107,13 @@ def test_verify_cost_runs_end_to_end_on_a_random_shape(capsys):
     assert "Whole verify steps through TargetRunner" in out and "a dry run of this table" in out
     assert "float32 torch fixed-shape, no graph (a CPU dry run): one-position step / floor" in out
     assert len([line for line in out.splitlines() if line.startswith("| float32 | torch |")]) == 3  # all three tables
-    # the graphs row splits the one-position step into the forward and the runner's work around it
+    # the graphs row splits the one-position step into the forward and the runner's work around it,
+    # and gives the first (capturing) step's time and the steps that pay it back (1 and 25 positions)
     graphs_row = [line for line in out.splitlines() if line.startswith("| float32 | torch |")][-1]
-    forward, rest = (float(x) for x in graphs_row.rstrip(" |").rsplit("|", 1)[1].split(" / "))
+    split, first, paid = (cell.split(" / ") for cell in graphs_row.rstrip(" |").split("|")[-3:])
+    forward, rest = (float(x) for x in split)
     assert forward > 0 and rest > 0
+    assert all(float(x) > 0 for x in first) and len(paid) == 2
     with pytest.raises(SystemExit, match="--prompts 0"):
         cmd_verify_cost(argparse.Namespace(**{**vars(args), "prompts": 2}))
 
@@ -149,3 +154,12 @@ def test_batch_sizes_are_parsed_and_checked():
     for bad in ("0,4", "a,b", ""):
         with pytest.raises(argparse.ArgumentTypeError, match="session counts"):
             sizes(bad)
+
+
+def test_break_even_steps_of_a_capture():
+    """A capture that costs 50 ms more than a replay, where each replay saves 10 ms, has paid for
+    itself after 5 steps; a replay that saves nothing never pays."""
+    from splitspec.bench.verify_cost_bench import break_even_steps
+
+    assert break_even_steps(first=55.0, replayed=5.0, eager=15.0) == pytest.approx(5.0)
+    assert break_even_steps(first=55.0, replayed=15.0, eager=15.0) == math.inf

@@ -9,7 +9,8 @@
 # 2. verify-cost on RANDOM weights (bench/verify_cost_bench.py RANDOM_SHAPES; shape figures, say so
 #    wherever they are written): the served target's shape (smollm2-135m, vc-smollm2-shape.md), then
 #    Llama-3-8B's (vc-llama-8b.md): the forward against tree size, batched sessions, and whole runner
-#    steps eager beside replayed from CUDA graphs (with the replay's forward / host-work split).
+#    steps eager beside replayed from CUDA graphs (with the replay's forward / host-work split, the first
+#    step's capture time and the steps after which replay pays it back).
 # Settings by environment: BUDGET_S (seconds for the whole script, default 270), DEVICE, SHAPE (the large
 # shape, default llama-8b; a CPU dry run: DEVICE=cpu SHAPE=llama-tiny OUT=/tmp/quick bash tools/gpu_quick.sh).
 set -u
