@@ -3,6 +3,7 @@ drafters on one target pass, clean stops and exact resumes, distilled data, size
 from __future__ import annotations
 
 import gzip
+import lzma
 import json
 import random
 import re
@@ -610,6 +611,10 @@ def test_data_entries_take_record_ranges(tmp_path, monkeypatch):
     packed.write_bytes(gzip.compress(path.read_bytes()))
     cfg = TrainConfig(drafter="moa", target="t", out=tmp_path, heldout=1, max_tokens=10**6, data=f"{packed}[1:3]")
     assert sorted(e.input_ids[0] for e in trainer.load_examples(cfg, tokenizer=None)[0]) == [11, 12]
+    xz = tmp_path / "f.jsonl.xz"  # tools/gpu_prepare.sh carries them as xz (a third smaller than gzip)
+    xz.write_bytes(lzma.compress(path.read_bytes()))
+    cfg = TrainConfig(drafter="moa", target="t", out=tmp_path, heldout=1, max_tokens=10**6, data=f"{xz}[3:]")
+    assert sorted(e.input_ids[0] for e in trainer.load_examples(cfg, tokenizer=None)[0]) == [13, 14]
     for bad in ("[a:]", "[1]", "[1:2:3]", "[-1:]"):
         with pytest.raises(ValueError, match="record range"):
             TrainConfig(drafter="moa", target="t", out=tmp_path, data=f"{path}{bad}")

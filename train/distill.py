@@ -21,6 +21,7 @@ file as an uninterrupted one.
 from __future__ import annotations
 
 import gzip
+import lzma
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -187,10 +188,21 @@ def parse_data_entry(entry: str) -> tuple[str, slice]:
     return path, slice(start, end)
 
 
-def read_header(path: str | Path) -> dict:
-    """The settings line (first line) of a distill-data file or of its gzip copy."""
+COMPRESSED = {".gz": gzip.open, ".xz": lzma.open}  # suffix -> opener of a compressed distill-data copy
+
+
+def open_data(path: str | Path):
+    """A distill-data file for reading as text: plain JSONL, or its gzip (`*.jsonl.gz`, as the larger
+    files are kept in data/) or xz copy (`*.jsonl.xz`, a third smaller: what tools/gpu_prepare.sh
+    carries to a GPU machine, whose transfers hold 64 MiB)."""
     path = Path(path)
-    with (gzip.open(path, "rt") if path.suffix == ".gz" else path.open()) as f:
+    opener = COMPRESSED.get(path.suffix)
+    return opener(path, "rt") if opener else path.open()
+
+
+def read_header(path: str | Path) -> dict:
+    """The settings line (first line) of a distill-data file or of a compressed copy (`open_data`)."""
+    with open_data(path) as f:
         return json.loads(f.readline())
 
 
@@ -218,11 +230,10 @@ def check_heldout(path: str | Path, heldout: int, split_seed: int) -> None:
 
 def load_distilled(path: str | Path, max_len: int, records: slice = slice(None)) -> list[Example]:
     """Examples (prompt + answer ids, loss on the answer) from the `records` of a distill-data
-    file (or its gzip copy, `*.jsonl.gz`, as the larger shipped files are kept); the prompt,
-    multi-turn history included, carries no loss."""
+    file (or a compressed copy, `open_data`); the prompt, multi-turn history included, carries no loss."""
     examples = []
-    path = Path(path)
-    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    with open_data(path) as f:
+        text = f.read()
     for line in text.splitlines()[1:][records]:
         record = json.loads(line)
         prompt, answer = record["prompt_ids"], record["answer_ids"]
