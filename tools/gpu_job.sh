@@ -4,14 +4,17 @@
 # (tools/gpu_prepare.sh builds them; each call's working tree is a fresh copy, so a call that
 # carries a folder copies it to /tmp and the last call links them back). In one command of < 10 min:
 # 1. for DISTILL_S seconds, extend the later-turn answers (data/smollm2-answers-later-cuda.jsonl.gz,
-#    resumed; the first-turn prompts of <= 256 tokens are all answered since session 24);
+#    resumed; the first-turn prompts of <= 256 tokens are all answered since session 24) up to prompt
+#    DLIMIT (default 8,600: session 42 answered the later-turn prompts from 8,600 to the pool's end,
+#    10,199, on a CPU, data/smollm2-answers-later-cpu.jsonl.gz; once the GPU's file reaches DLIMIT this
+#    phase ends at once and the call's time goes to training);
 # 2. fine-tune DRAFTERS (default moa,eagle2: moa at tli 0) from INIT (default .gpu-c/init, the shipped
 #    checkpoints) on every distilled file for TRAIN_MIN minutes, the lr decay and staircase on the
 #    clock (--time-schedule); DRAFTERS=moa,eagle2,moa:tli=1 INIT=.gpu-c/init,moa-tli1=.gpu-d/moa-tli1
 #    continues the shipped moa-tli1 as well (tools/gpu_prepare.sh with WITH_TLI1=1 builds .gpu-d);
 # 3. copy what must survive under $OUT after each phase (at most 8 files of 16 MB come back), with
 #    train-profile.txt: torch.profiler over training steps 2-4 (operators by CUDA time, peak memory).
-# Settings by environment: DEVICE DISTILL_S DBATCH TRAIN_MIN BATCH LR STAIRCASE MAXLEN EVALP R DRAFTERS INIT
+# Settings by environment: DEVICE DISTILL_S DBATCH DLIMIT TRAIN_MIN BATCH LR STAIRCASE MAXLEN EVALP R DRAFTERS INIT
 # CALL_END. CALL_END (epoch seconds, e.g. `CALL_END=$(( $(date +%s) + 545 ))` set at the start of the call's
 # command, before gpu_site.sh and bootstrap.sh) shortens TRAIN_MIN so that training, its final evaluation
 # and the copies end before it: in session 41 the bootstrap's minute ran outside the job's clock and the
@@ -22,7 +25,7 @@
 # on a continuation it trains half the steps on a mask the runtime never uses).
 set -u
 T0=$(date +%s)
-DEVICE=${DEVICE:-cuda}; DISTILL_S=${DISTILL_S:-150}; DBATCH=${DBATCH:-384}; TRAIN_MIN=${TRAIN_MIN:-4.3}
+DEVICE=${DEVICE:-cuda}; DISTILL_S=${DISTILL_S:-150}; DBATCH=${DBATCH:-384}; DLIMIT=${DLIMIT:-8600}; TRAIN_MIN=${TRAIN_MIN:-4.3}
 # batch 128 fits the H200's 141 GB; on an 80 GB H100 it ran out of memory after 82 s in session 41
 # (moa's step peaks at 37.6 GiB at batch 64), so the default follows the card's memory
 GPU_GIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
@@ -34,12 +37,13 @@ nvidia-smi --query-gpu=name,memory.total --format=csv >> "$OUT/job.log" 2>&1
 python3 -c "import torch, transformers; print('torch', torch.__version__, torch.cuda.is_available(), 'transformers', transformers.__version__)" >> "$OUT/job.log" 2>&1
 
 GROWN=smollm2-answers-later-cuda.jsonl
-[ -f "$R/$GROWN" ] || gunzip -c ".gpu-b/data/$GROWN.gz" > "$R/$GROWN"
+[ -f "$R/$GROWN" ] || python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), sys.stdout.buffer)" \
+  ".gpu-b/data/$GROWN.xz" > "$R/$GROWN"  # distill-data extends a plain file
 if [ "$DISTILL_S" -gt 0 ]; then
   log "distill start (${DISTILL_S}s, batch $DBATCH)"
   # the header of the grown file fixes these settings (batch and device included): keep them
   timeout "$DISTILL_S" splitspec distill-data --device "$DEVICE" --batch "$DBATCH" --turns later --max-prompt-len 768 \
-    --limit 30000 --out "$R/$GROWN" > "$R/distill.log" 2>&1
+    --limit "$DLIMIT" --out "$R/$GROWN" > "$R/distill.log" 2>&1
   log "distill rc=$? records=$(( $(wc -l < "$R/$GROWN") - 1 ))"
   gzip -c "$R/$GROWN" > "$OUT/$GROWN.gz"
 fi
@@ -48,7 +52,7 @@ if [ -n "${CALL_END:-}" ]; then  # leave ~100 s for loading, the final evaluatio
   fit=$(python3 -c "print(round(max(0.5, min($TRAIN_MIN, ($CALL_END - $(date +%s) - 100) / 60)), 2))")
   if python3 -c "import sys; sys.exit(0 if $fit < $TRAIN_MIN else 1)"; then log "TRAIN_MIN $TRAIN_MIN -> $fit (CALL_END)"; TRAIN_MIN=$fit; fi
 fi
-DATA=$(ls .gpu-b/data/*.jsonl.gz | grep -v "/$GROWN.gz$" | paste -sd, -),$R/$GROWN
+DATA=$(ls .gpu-b/data/*.jsonl.xz .gpu-c/data/*.jsonl.xz 2>/dev/null | grep -v "/$GROWN.xz$" | paste -sd, -),$R/$GROWN
 train() {  # $1 dtype, $2 minutes, $3 run folder
   timeout $(python3 -c "print(int($2 * 60 + 150))") splitspec train --drafter "$DRAFTERS" --device "$DEVICE" \
     --dtype "$1" --init "$INIT" --data "$DATA" --max-len "$MAXLEN" --batch "$BATCH" --lr "$LR" --staircase "$STAIRCASE" \

@@ -3,7 +3,10 @@
 # splitspec's own GPU job needs on top of that kit (docs/training.md, "Session 24"):
 #   .gpu-b/wheels  transformers >= 5.24 and the versions it checks at import (the GPU image's 5.17
 #                  would take `cache=` silently into **kwargs: shared/models.check_transformers)
-#   .gpu-b/data    the distilled answers, gzipped
+#   .gpu-b/data    the distilled answers, xz-compressed (a third smaller than the gzip copies in data/:
+#                  .gpu-b is ~60 MB of its 64 with the target's second part and the wheels; `train --data`
+#                  reads .jsonl.xz as it is); those named in C_DATA (default: the CPU's later-turn answers
+#                  of session 42) go to .gpu-c/data instead, where there is room
 #   .gpu-c/init    the shipped moa-tli0 and eagle2 checkpoints (the fine-tuning start)
 #   .gpu-c/wheels  the venv's grpcio: the GPU image's 1.84 refuses the generated stubs (they need
 #                  >= 1.85.1), which stopped serve-bench there in session 26 (.gpu-b has no room left);
@@ -24,6 +27,7 @@
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
+[ -f .git/splitspec-slim.list ] || { echo "gpu_prepare: run ../shared/gpu/slim.sh on first (the checkpoints must not travel)" >&2; exit 1; }
 bash "$root/../shared/gpu/prepare.sh"
 py=.venv/bin/python
 mkdir -p .gpu-b/wheels .gpu-b/data .gpu-c/init .gpu-c/wheels
@@ -42,8 +46,13 @@ mkdir -p .gpu-b/wheels .gpu-b/data .gpu-c/init .gpu-c/wheels
   "pytest==$("$py" -c 'import pytest; print(pytest.__version__)')" \
   "pytest-timeout==$("$py" -c 'from importlib.metadata import version; print(version("pytest-timeout"))')" 2>&1 | grep -vi warning || true
 cp -r "$root/../shared/models/stories260K" .gpu-c/
-for f in data/smollm2-answers*.jsonl; do gzip -c "$f" > ".gpu-b/data/$(basename "$f").gz"; done
-cp data/smollm2-answers*.jsonl.gz .gpu-b/data/
+rm -rf .gpu-b/data .gpu-c/data && mkdir -p .gpu-b/data .gpu-c/data  # no earlier session's copy stays behind
+C_DATA=${C_DATA:-smollm2-answers-later-cpu}
+for f in data/smollm2-answers*.jsonl data/smollm2-answers*.jsonl.gz; do
+  name=$(basename "$f" .gz)
+  dest=.gpu-b/data; case " $C_DATA " in *" ${name%.jsonl} "*) dest=.gpu-c/data;; esac
+  case "$f" in *.gz) gunzip -c "$f";; *) cat "$f";; esac | xz -9 -T2 -c > "$dest/$name.xz"
+done
 cp -r client/checkpoints/smollm2-135m/moa-tli0 client/checkpoints/smollm2-135m/eagle2 .gpu-c/init/
 rm -rf .gpu-d
 if [ "${WITH_TLI1:-0}" = 1 ]; then mkdir -p .gpu-d && cp -r client/checkpoints/smollm2-135m/moa-tli1 .gpu-d/; fi
@@ -52,3 +61,10 @@ cp -r .gpu-c/stories260K .gpu-e/
 cp tools/gpu_job.sh .gpu-c/job.sh
 cp "$root/../shared/data/spec_bench/question.jsonl" .gpu-c/  # tools/gpu_checks.sh's prompts (no ../shared there)
 du -sh .gpu-a .gpu-b .gpu-c .gpu-e $([ -d .gpu-d ] && echo .gpu-d)
+# a call carries the checkout's tracked files (what slim.sh leaves: ~2.6 MB) with the folder: 64 MiB in all
+tree=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- 2>/dev/null | tail -n1 | cut -f1)
+for d in .gpu-a .gpu-b .gpu-c .gpu-e $([ -d .gpu-d ] && echo .gpu-d); do
+  total=$(( $(du -sb "$d" | cut -f1) + tree ))
+  echo "$d + the checkout: $(( total / 1048576 )) MiB of 64"
+  [ "$total" -lt $(( 64 * 1024 * 1024 )) ] || { echo "gpu_prepare: $d and the checkout are over the 64 MiB a call carries" >&2; exit 1; }
+done
