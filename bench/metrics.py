@@ -46,8 +46,8 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from splitspec.shared.drafters.spec import DrafterSpec
-from splitspec.shared.records import (AnswerRecord, accept_length, accept_length_interval, bootstrap_interval, calls_per_token,
-                                      paired_interval, speed_ratio, tau_difference)
+from splitspec.shared.records import (AnswerRecord, accept_length, accept_length_interval, bootstrap_interval,
+                                      calls_per_token, paired_interval, speed_ratio, tau_difference)
 
 ALL = "all"  # the category of an aggregate over every category
 BASELINE = "generate()"  # single-device autoregressive decoding (transformers generate)
@@ -357,7 +357,8 @@ def goal_interval(answers: dict, key: GroupKey, reference: GroupKey | None = Non
     """95% percentile-bootstrap interval of a goal's figure over prompts (shared/records.py): with a
     `reference` arm, the pooled tokens/s ratio of `key` over it on the prompts both answered, each
     resample keeping a prompt's two answers together (`paired_interval`); without, `key`'s server
-    calls per generated token, its answers resampled (`bootstrap_interval`). (NaN, NaN) where an arm is missing or fewer than two prompts count."""
+    calls per generated token, its answers resampled (`bootstrap_interval`). (NaN, NaN) where an arm
+    is missing or fewer than two prompts count."""
     mine = answers.get((key.mode, key.method, key.profile), {})
     if reference is None:
         return bootstrap_interval(list(mine.values()), calls_per_token)

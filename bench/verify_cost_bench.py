@@ -334,7 +334,7 @@ def cmd_verify_cost(args) -> None:
             eager = {n: runner_step_ms(model, args.context, n, args.repeats, False)[0] for n in POSITIONS}
             split = {n: runner_step_ms(model, args.context, n, args.repeats, True) for n in POSITIONS}
             graphed = {n: total for n, (total, _, _) in split.items()}
-            first = {n: first for n, (_, _, first) in split.items()}
+            first = {n: capture for n, (_, _, capture) in split.items()}
             forward = split[1][1]
             floor = floors[(name, linear)]
             paid = {n: break_even_steps(first[n], graphed[n], eager[n]) for n in (1, 25)}

@@ -77,9 +77,7 @@ def test_paired_interval_keeps_pairs_together_and_refuses_unpaired_input():
 def test_bootstrap_interval_resamples_one_arm():
     """One arm's pooled figure: equal records give a point; unequal ones an interval within their
     extremes that contains the full sample's figure; too few records give NaN, bad settings an error."""
-    def pooled(rows):
-        return sum(r.target_calls for r in rows) / sum(r.new_tokens for r in rows)
-
+    pooled = calls_per_token
     same = [AnswerRecord(10, 5, 1.0)] * 4
     assert bootstrap_interval(same, pooled) == (pytest.approx(0.5), pytest.approx(0.5))
     mixed = [AnswerRecord(10, 2, 1.0), AnswerRecord(10, 8, 1.0), AnswerRecord(10, 5, 1.0), AnswerRecord(10, 4, 1.0)]

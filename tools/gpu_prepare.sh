@@ -48,11 +48,13 @@ mkdir -p .gpu-b/wheels .gpu-b/data .gpu-c/init .gpu-c/wheels
 cp -r "$root/../shared/models/stories260K" .gpu-c/
 rm -rf .gpu-b/data .gpu-c/data && mkdir -p .gpu-b/data .gpu-c/data  # no earlier session's copy stays behind
 C_DATA=${C_DATA:-smollm2-answers-later-cpu}
+shopt -s nullglob  # either kind of file may be absent
 for f in data/smollm2-answers*.jsonl data/smollm2-answers*.jsonl.gz; do
   name=$(basename "$f" .gz)
   dest=.gpu-b/data; case " $C_DATA " in *" ${name%.jsonl} "*) dest=.gpu-c/data;; esac
   case "$f" in *.gz) gunzip -c "$f";; *) cat "$f";; esac | xz -9 -T2 -c > "$dest/$name.xz"
 done
+shopt -u nullglob
 cp -r client/checkpoints/smollm2-135m/moa-tli0 client/checkpoints/smollm2-135m/eagle2 .gpu-c/init/
 rm -rf .gpu-d
 if [ "${WITH_TLI1:-0}" = 1 ]; then mkdir -p .gpu-d && cp -r client/checkpoints/smollm2-135m/moa-tli1 .gpu-d/; fi

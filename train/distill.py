@@ -21,8 +21,8 @@ file as an uninterrupted one.
 from __future__ import annotations
 
 import gzip
-import lzma
 import json
+import lzma
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
