@@ -55,7 +55,10 @@ class AcceptResult:
 def accept_greedy(tree: DraftTree, target_logits: torch.Tensor) -> AcceptResult:
     """Greedy acceptance. `target_logits`: [N + 1, V], row 0 for the root, row i + 1 for node i."""
     assert target_logits.shape[0] == tree.size + 1, (target_logits.shape, tree.size)
-    choice = target_logits.argmax(-1).tolist()  # [N + 1]
+    # max's indices are argmax's (the first maximal value on ties, documented for both), but a CPU
+    # reduces a [5, 49152] bf16 block ~4.5x faster this way (0.11 against 0.52 ms at 2 threads):
+    # argmax was ~7% of an 8-session batched verify step there
+    choice = target_logits.max(-1).indices.tolist()  # [N + 1]
     accepted: list[int] = []
     node = ROOT
     while True:

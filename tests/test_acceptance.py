@@ -44,6 +44,25 @@ def test_greedy_empty_draft():
     assert result.accepted_nodes == () and result.bonus_token == 2
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_ties_go_to_the_first_maximal_token_as_argmax(dtype):
+    """generate() takes argmax (the first maximal id on a tie); bf16 logits tie often. Drafts of the
+    later tied id are rejected and the bonus is the earlier one, on a wide vocabulary too (where a
+    CPU reduces in vectorised blocks)."""
+    vocab = 49152
+    logits = torch.zeros(2, vocab, dtype=dtype)
+    logits[0, [7, 30000, 49000]] = 3.0  # three-way tie at the root
+    logits[1, [2, 40000]] = 1.0
+    result = accept_greedy(DraftTree((30000, 49000), (-1, -1)), logits[[0, 1, 1]])
+    assert result.accepted_nodes == () and result.bonus_token == 7
+    result = accept_greedy(DraftTree((30000, 7), (-1, -1)), logits[[0, 1, 1]])
+    assert result.accepted_nodes == (1,) and result.bonus_token == 2
+    torch.manual_seed(0)
+    many = (torch.randn(64, vocab) * 2).round().to(dtype)  # many ties per row
+    chosen = [accept_greedy(DraftTree.empty(), row[None]).bonus_token for row in many]
+    assert chosen == many.argmax(-1).tolist()
+
 def _first_tokens_distribution(tree, logits, params, rows, n, seed):
     """Empirical distribution of the first emitted token (accepted depth-1 node or bonus)."""
     gen = torch.Generator().manual_seed(seed)
