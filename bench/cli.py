@@ -80,6 +80,8 @@ def _add_serve_bench_parser(sub) -> None:
     p.add_argument("--spec-bench", default=None, help="path to Spec-Bench question.jsonl")
     p.add_argument("--threads", type=int, default=None, help="the server's torch threads (default: torch's)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="the server's device (`serve --device`)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the server's target dtype (`serve --dtype`; float32 is the service's default)")
     p.add_argument("--client-processes", type=_at_least_one, default=1, metavar="P",
                    help="spread each point's clients over up to P processes (default 1: threads of this one; "
                         "on a GPU server with spare cores one process's interpreter lock can cap the clients)")

@@ -222,7 +222,7 @@ def cmd_serve_bench(args) -> None:
         server = start_server(args.target, port, extra=["--max-batch", str(max_batch),
                                                         "--batching", "ragged" if graphs else batching, *graphs,
                                                         "--max-sessions", str(max(clients) + 1),
-                                                        "--device", args.device],
+                                                        "--device", args.device, "--dtype", args.dtype],
                               threads=args.threads)
         try:
             run_clients(f"127.0.0.1:{port}", 1, prompts, drafter, fingerprint, args.target, 2.0, 8,  # warm-up
@@ -259,7 +259,8 @@ def render(results: list[ServeResult], args) -> str:
     one = {r.label: r.tok_s for r in results if r.clients == 1}
     unbatched = {r.clients: r.tok_s for r in results if r.max_batch == 1 and r.batching != "graphs"}
     lines = [f"target {args.target}, drafter {args.drafter}, {args.seconds:g} s per point, up to "
-             f"{args.max_new_tokens} tokens per answer, server on {args.device}, torch threads "
+             f"{args.max_new_tokens} tokens per answer, server on {args.device} "
+             f"({getattr(args, 'dtype', 'float32')}), torch threads "
              f"{args.threads or 'default'}, clients in "
              f"{_processes_label(getattr(args, 'client_processes', 1))}",
              "",

@@ -259,8 +259,9 @@ def test_serve_bench_drives_concurrent_clients(stories, serve, stories_path, tmp
     graphed = render([ServeResult(1, "ragged", 1, 100, 1.0, 100.0, 5.0, 9.0),
                       ServeResult(1, "graphs", 1, 150, 1.0, 150.0, 3.0, 6.0)],
                      SimpleNamespace(target="t", drafter="ngram", seconds=1.0, max_new_tokens=12, threads=1,
-                                     device="cuda"))
+                                     device="cuda", dtype="bfloat16"))
     assert "| 1 (graphs) | 1 | 150.0 |" in graphed  # a row of its own, not the unbatched baseline
+    assert "server on cuda (bfloat16)" in graphed
     for bad in ("0", "x", "8:wide", "-1"):
         with pytest.raises(ValueError, match="--max-batch"):
             parse_batch(bad)
@@ -283,6 +284,8 @@ def test_serve_bench_refuses_bad_flags_before_loading_anything(flags, message, c
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
     args = build_parser().parse_args(["serve-bench", "--clients", "2,8", "--max-batch", "1,8:padded"])
     assert args.clients == [2, 8] and args.max_batch == [(1, "ragged"), (8, "padded")]
+    assert args.dtype == "float32"  # the service's own default
+    assert build_parser().parse_args(["serve-bench", "--dtype", "bfloat16"]).dtype == "bfloat16"
 
 
 def test_tree_attention_on_a_cpu_skips_repeating_grouped_keys(monkeypatch):
