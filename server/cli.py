@@ -11,6 +11,7 @@ import asyncio
 from functools import partial
 from pathlib import Path
 
+from splitspec.shared.compute import compute_thread
 from splitspec.shared.config import ServerLimits, ServerSecurity, parse_size, read_tokens, tokens_from_env
 from splitspec.shared.drafters.spec import DrafterSpec
 from splitspec.shared.models import DEFAULT_TARGET, load_model
@@ -134,15 +135,26 @@ def cmd_serve(args, behind_link=None) -> None:
 
     if args.cuda_graphs and args.device != "cuda":
         raise ValueError("--cuda-graphs needs --device cuda (on a CPU the fixed-shape step only costs more)")
-    serve_kw = dict(security=server_security(args), grace_s=args.grace, metrics_port=args.metrics_port,
-                    metrics_host=args.metrics_host)
-    model, tokenizer, model_id = load_model(args.target, device=args.device, dtype=args.dtype,
-                                           linear=args.linear)
-    lsa_modules = hosted_lsa_modules(args.lsa, args.target, model, tokenizer, model_id, args.device)
-    limits = server_limits(args)
-    runner = TargetRunner(model, tokenizer, model_id, lsa_modules, use_graphs=args.cuda_graphs)
-    if args.batching == "padded":
-        runner.ragged = False
+    limits, security = server_limits(args), server_security(args)  # bad flags fail before the model loads
+
+    def build_runner() -> TargetRunner:
+        model, tokenizer, model_id = load_model(args.target, device=args.device, dtype=args.dtype,
+                                               linear=args.linear)
+        lsa_modules = hosted_lsa_modules(args.lsa, args.target, model, tokenizer, model_id, args.device)
+        runner = TargetRunner(model, tokenizer, model_id, lsa_modules, use_graphs=args.cuda_graphs)
+        if args.batching == "padded":
+            runner.ragged = False
+        return runner
+
+    # loaded on the thread that will run every model step: one OpenMP pool (shared/compute.py)
+    worker = compute_thread("target")
+    try:
+        runner = worker.submit(build_runner).result()
+    except BaseException:
+        worker.shutdown(wait=False)
+        raise
+    serve_kw = dict(security=security, grace_s=args.grace, metrics_port=args.metrics_port,
+                    metrics_host=args.metrics_host, worker=worker)
     if args.link is None:
         asyncio.run(serve(runner, args.host, args.port, limits, **serve_kw))
         return

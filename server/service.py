@@ -14,6 +14,11 @@ draft probabilities (CPU work that grows with rows x vocabulary) runs on a small
 work on the single model worker. A reservation of KV tokens lives exactly as long as the work item
 it was made for (`_run`): it is released when the item finishes, fails or is cancelled while
 queued (its caller gone, or the server shutting down). docs/reliability.md lists every guard.
+
+Every tensor operation big enough for torch to run it on several cores (the model's, and the
+features' quantization) runs on that one worker thread, which should also be the thread that loaded
+the model (a `shared/compute.py` `compute_thread`, handed in as `worker`; `splitspec serve` does so):
+one OpenMP pool per process, or every small kernel of a step pays a wake-up (that module says why).
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from splitspec.shared.compute import compute_thread
 from splitspec.shared.config import ServerLimits, ServerSecurity
 from splitspec.shared.kv import cache_length
 from splitspec.shared.models import eos_token_ids, tokenizer_fingerprint
@@ -58,6 +64,7 @@ PARSE_THREADS = 2  # threads that decode and check draft probabilities beside th
 # transient at the limit). A ragged forward copies no prefix and is bounded by max_batch alone.
 MAX_BATCH_PADDED_TOKENS = 16384
 _DROP_NOTICE_S = 0.2  # shutdown: the longest wait, after the grace period, for dropped calls to be told
+
 
 
 @dataclass
@@ -170,14 +177,17 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
     """
 
     def __init__(self, runner: TargetRunner, limits: ServerLimits = ServerLimits(),
-                 metrics: ServiceMetrics | None = None, authenticated: bool = False) -> None:
+                 metrics: ServiceMetrics | None = None, authenticated: bool = False,
+                 worker: ThreadPoolExecutor | None = None) -> None:
+        """`worker`: the `compute_thread` that loaded the runner's model (one is made if None); the
+        servicer owns it and shuts it down with the server."""
         self.runner = runner
         self.limits = limits
         self.max_context = min(limits.max_context or runner.max_positions, runner.max_positions)
         self.fingerprint = tokenizer_fingerprint(runner.tokenizer)
         self.eos_ids = eos_token_ids(runner.model, runner.tokenizer)
         self.sessions: dict[bytes, _Entry] = {}
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target")
+        self.worker = worker if worker is not None else compute_thread("target")
         self.parser = ThreadPoolExecutor(max_workers=PARSE_THREADS, thread_name_prefix="parse")
         self._queued: set[Future] = set()  # model work submitted and not yet finished
         self.kv = KVBudget(limits, kv_bytes_per_token(runner.config, runner.dtype),
@@ -287,7 +297,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         placeholder = _Entry(session_id, None)  # reserve the slot before awaiting the worker
         self.sessions[session_id] = placeholder
         try:
-            (session, batch, forward_ms), started = await self._run(
+            (session, features_pb, forward_ms), started = await self._run(
                 self._open_session, placeholder, prompt, sampling, features, reserved=reserved)
         except BaseException:
             self._forget(placeholder)
@@ -295,17 +305,18 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         placeholder.session = session
         placeholder.last_used = time.monotonic()
         reply = pb.OpenSessionReply(
-            session_id=session_id, first_token=session.pending_token, features=batch.to_pb(features),
+            session_id=session_id, first_token=session.pending_token, features=features_pb,
             timings=_timings(arrived, (started - arrived) * 1e3, forward_ms))
         self._fit_reply(reply, placeholder)
         log.debug("session opened: %d prompt tokens, %d sessions", len(prompt), len(self.sessions))
         return reply
 
     def _open_session(self, entry: _Entry, prompt, sampling, features):
-        """Prefill on the worker thread; records the new cache's length for the KV budget."""
+        """Prefill on the worker thread; records the new cache's length for the KV budget. The
+        prompt's features are quantized and encoded here too (a tensor op over the whole prompt)."""
         session, batch, forward_ms = self.runner.open(prompt, sampling, features)
         entry.kv_tokens = cache_length(session.cache)
-        return session, batch, forward_ms
+        return session, batch.to_pb(features), forward_ms
 
     @_refusals
     @_admitted
@@ -536,8 +547,9 @@ def service_handlers(servicer: VerifyServicer) -> grpc.GenericRpcHandler:
 
 async def create_server(runner: TargetRunner, address: str = "127.0.0.1:0",
                         limits: ServerLimits = ServerLimits(), security: ServerSecurity = ServerSecurity(),
-                        metrics: ServiceMetrics | None = None):
-    """Build and start a server. Returns (server, port, servicer, health).
+                        metrics: ServiceMetrics | None = None, worker: ThreadPoolExecutor | None = None):
+    """Build and start a server. Returns (server, port, servicer, health). `worker`: see
+    `VerifyServicer`.
 
     `security`: bearer tokens (checked on every method but health), TLS and mTLS. Tests bind
     port 0 with SO_REUSEPORT off so parallel servers never share a port.
@@ -551,7 +563,7 @@ async def create_server(runner: TargetRunner, address: str = "127.0.0.1:0",
         interceptors.append(BearerAuthInterceptor(TokenSet(security.tokens),
                                                   on_refusal=lambda method: metrics.refused(method, "UNAUTHENTICATED")))
     server = grpc.aio.server(options=server_options(limits), interceptors=interceptors)
-    servicer = VerifyServicer(runner, limits, metrics=metrics, authenticated=bool(security.tokens))
+    servicer = VerifyServicer(runner, limits, metrics=metrics, authenticated=bool(security.tokens), worker=worker)
     server.add_generic_rpc_handlers((service_handlers(servicer),))
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -596,15 +608,17 @@ def _is_loopback(host: str) -> bool:
 
 async def serve(runner: TargetRunner, host: str, port: int, limits: ServerLimits, grace_s: float = 5.0,
                 on_bound=None, security: ServerSecurity = ServerSecurity(), metrics_port: int | None = None,
-                metrics_host: str = "127.0.0.1") -> None:
+                metrics_host: str = "127.0.0.1", worker: ThreadPoolExecutor | None = None) -> None:
     """Serve until SIGINT/SIGTERM, then shut down gracefully (see `shutdown`).
-    `on_bound(port)` is called once the service listens; `metrics_port` exports Prometheus metrics.
+    `on_bound(port)` is called once the service listens; `metrics_port` exports Prometheus metrics;
+    `worker`: the `compute_thread` that loaded the runner's model (see `VerifyServicer`).
 
     Raises:
         RuntimeError / OSError: the service or metrics port cannot be bound.
     """
     metrics = ServiceMetrics()
-    server, bound, servicer, health = await create_server(runner, f"{host}:{port}", limits, security, metrics)
+    server, bound, servicer, health = await create_server(runner, f"{host}:{port}", limits, security, metrics,
+                                                          worker=worker)
     scheme = "TLS" if security.tls else "plaintext"
     auth = f"{len(security.tokens)} bearer token(s)" if security.tokens else "no auth"
     print(f"splitspec verify service: {runner.model_id} listening on {host}:{bound} ({scheme}, {auth})", flush=True)

@@ -347,3 +347,33 @@ def test_split_mode_through_the_verify_service(runner, serve, start, stories_pat
     service.stop()  # the verify service goes away: the daemon lives and says so
     assert _wait_for(server, lambda h: h["link"] == "down")["status"] == "ok"
     setup.decoder.verifier.close()
+
+
+def test_up_builds_the_client_on_the_thread_that_writes_the_answers(runner, stories_path, monkeypatch, tmp_path):
+    """`splitspec up` loads its models on the engine's answer thread, not on the main thread: a
+    second thread running parallel torch kernels made small CPU steps ~1.7x slower
+    (shared/compute.py)."""
+    from splitspec.cli.main import build_parser
+    from splitspec.client import build as client_build
+    from splitspec.client.daemon import cli as daemon_cli
+
+    seen = {}
+
+    def build(config, local_verifier=None):
+        seen["build"] = threading.current_thread()
+        return _local_setup(runner)
+
+    class Captured:
+        def __init__(self, app, host, port):
+            seen["worker"] = app.state.engine._worker.submit(threading.current_thread).result()
+            self.url = "http://captured"
+
+        def run(self):
+            pass
+
+    monkeypatch.setattr(client_build, "build_client", build)
+    monkeypatch.setattr(daemon_cli, "DaemonServer", Captured)
+    args = build_parser().parse_args(["up", "--local", "--target", str(stories_path), "--history",
+                                      str(tmp_path / "chat.sqlite3")])
+    daemon_cli.cmd_up(args)
+    assert seen["build"] is seen["worker"] and seen["worker"] is not threading.main_thread()

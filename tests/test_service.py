@@ -204,3 +204,49 @@ def test_retry_after_client_deadline(service):
 def _verify_with_timeout(stub, sid, step, timeout):
     req = pb.VerifyRequest(session_id=sid, step=step, tree=pb.DraftTree(tokens=[5, 6], parents=[-1, 0]))
     return stub.Verify(req, timeout=timeout)
+
+
+def test_the_model_loads_and_every_step_runs_on_one_worker_thread(stories, stories_path, monkeypatch):
+    """`splitspec serve` loads the model on the thread that runs its steps and hands that thread to
+    the service, and the prompt's features are encoded there too, not on the event loop: a second
+    thread running parallel torch kernels gives the process a second OpenMP pool, which made a small
+    CPU step ~1.7x slower (shared/compute.py)."""
+    import asyncio
+    import threading
+
+    from splitspec.cli.main import build_parser
+    from splitspec.server import cli as server_cli
+    from splitspec.server import service as service_module
+    from splitspec.shared.features import FeatureBatch
+
+    seen = {"encode": []}
+
+    def load(*args, **kwargs):
+        seen["load"] = threading.current_thread()
+        return stories
+
+    encode = FeatureBatch.to_pb
+
+    def encoding(self, request):
+        seen["encode"].append(threading.current_thread())
+        return encode(self, request)
+
+    async def serve_once(runner, host, port, limits, worker=None, **kwargs):
+        server, bound, servicer, health = await service_module.create_server(runner, "127.0.0.1:0", limits,
+                                                                             worker=worker)
+        try:
+            seen["worker"] = await asyncio.wrap_future(servicer.worker.submit(threading.current_thread))
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{bound}") as channel:
+                reply = await pb_grpc.VerifyServiceStub(channel).OpenSession(pb.OpenSessionRequest(
+                    prompt_ids=[1, 40, 50, 60], tokenizer_fingerprint=tokenizer_fingerprint(stories[1]),
+                    features=pb.FeatureSpec(hidden_layers=[-1], kv_layers=[0])), timeout=30)
+            assert reply.features.ByteSize() > 0
+        finally:
+            await service_module.shutdown(server, servicer, health, 0.1)
+
+    monkeypatch.setattr(server_cli, "load_model", load)
+    monkeypatch.setattr(service_module, "serve", serve_once)
+    monkeypatch.setattr(FeatureBatch, "to_pb", encoding)
+    server_cli.cmd_serve(build_parser().parse_args(["serve", "--target", str(stories_path)]))
+    assert seen["load"] is seen["worker"] and seen["encode"] == [seen["worker"]]
+    assert seen["worker"] is not threading.main_thread()

@@ -10,6 +10,8 @@ import socket
 import threading
 from functools import partial
 
+from splitspec.shared.compute import compute_thread
+
 DEFAULT_PORT = 8765
 
 
@@ -26,6 +28,8 @@ def add_daemon_parser(sub, local_verifier=None) -> None:
     p.add_argument("--max-queue", type=int, default=8,
                    help="requests that may wait behind the running answer; more are refused with 429")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    p.add_argument("--history", default=None, help="the chat page's SQLite history "
+                   "(default ~/.local/share/splitspec/chat.sqlite3, shared with `splitspec chat`)")
     p.set_defaults(func=partial(cmd_up, local_verifier=local_verifier))
 
 
@@ -48,11 +52,18 @@ def cmd_up(args, local_verifier=None) -> None:
     from ..history import ChatHistory, default_path
 
     config = client_config(args)
-    setup = build_client(config, local_verifier)
+    # built on the thread that will write every answer: one OpenMP pool (shared/compute.py)
+    worker = compute_thread("splitspec-answer")
+    try:
+        setup = worker.submit(build_client, config, local_verifier).result()
+    except BaseException:
+        worker.shutdown(wait=False)
+        raise
     history = ChatHistory(args.history or default_path())
     server = DaemonServer(daemon_app(setup, setup.target, api_key=api_key, max_queue=args.max_queue,
                                      max_new_tokens=args.max_new_tokens, private_ngram=args.private_ngram,
-                                     max_request_bytes=args.max_request_bytes, system=args.system, history=history),
+                                     max_request_bytes=args.max_request_bytes, system=args.system, history=history,
+                                     worker=worker),
                           args.host, args.port)
     sampling = setup.sampling
     print(f"splitspec up: {setup.mode}, drafter {setup.decoder.drafter.name}, default temperature "
@@ -67,18 +78,20 @@ def cmd_up(args, local_verifier=None) -> None:
 
 
 def daemon_app(setup, target: str, *, api_key: str | None = None, max_queue: int = 8, max_new_tokens: int = 256,
-               private_ngram: int = 2, max_request_bytes: int = 1 << 20, system: str | None = None, history=None):
+               private_ngram: int = 2, max_request_bytes: int = 1 << 20, system: str | None = None, history=None,
+               worker=None):
     """The FastAPI app over a built client (`setup`: client/build.py ClientSetup). Its sampling
     gives the requests' default temperature and top-p; `target` (the name given) and the served
     model id are both accepted as `model`; `system` is the system prompt of requests without one;
-    `history` (client/history.py ChatHistory) backs the chat page's conversations."""
+    `history` (client/history.py ChatHistory) backs the chat page's conversations; `worker`: the
+    `compute_thread` that built `setup` (see Engine)."""
     from .app import create_app
     from .engine import Engine, EngineConfig
 
     model_id = setup.decoder.verifier.info.model_id
     names = tuple(dict.fromkeys([model_id, target]))
     engine = Engine(setup, EngineConfig(names, max_new_tokens, setup.sampling.temperature, setup.sampling.top_p,
-                                        max_queue, private_ngram, system), history)
+                                        max_queue, private_ngram, system), history, worker=worker)
     app = create_app(engine, api_key=api_key, max_request_bytes=max_request_bytes, mode=setup.mode,
                      drafter=setup.decoder.drafter.name)
     app.state.engine = engine

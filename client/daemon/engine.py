@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
+from splitspec.shared.compute import compute_thread
 from splitspec.shared.sampling import SamplingParams
 
 from ..build import ClientSetup
@@ -89,11 +90,14 @@ class Busy(ApiError):
 class Engine:
     """Runs completions on `setup`'s decoder, one at a time."""
 
-    def __init__(self, setup: ClientSetup, config: EngineConfig, history: ChatHistory | None = None) -> None:
+    def __init__(self, setup: ClientSetup, config: EngineConfig, history: ChatHistory | None = None,
+                 worker: ThreadPoolExecutor | None = None) -> None:
+        """`worker`: the `shared/compute.py` `compute_thread` that built `setup` (its models), which
+        then writes every answer (one is made if None); the engine owns it."""
         self.setup, self.config, self.history = setup, config, history
         self.tokenizer = setup.tokenizer
         self.info = setup.decoder.verifier.info
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="splitspec-answer")
+        self._worker = worker if worker is not None else compute_thread("splitspec-answer")
         self._lock = threading.Lock()
         self.pending = 0  # running + waiting
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "refused": 0}
