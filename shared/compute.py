@@ -5,8 +5,8 @@ threads for every thread that has entered a parallel region, for as long as that
 the pools together hold more threads than the machine has cores, libgomp stops busy-waiting between
 regions (its "throttled" spin count, ~100 spins) and parks the helpers, so that each small kernel
 of a decoding step then pays a futex wake-up. A service that loads its model on the main thread and
-runs the steps on a worker thread ends up in exactly that state. Measured on this project's 2-core
-CPU (torch 2.13, 2 threads, session 43): a [1, 576] x [576, 1536] linear 33 us on the first thread
+runs the steps on a worker thread ends up in exactly that state. Measured on a 2-core Intel Xeon
+(torch 2.13, 2 threads, session 43): a [1, 576] x [576, 1536] linear 33 us on the first thread
 that used OpenMP, 122-138 us on either thread once a second one had; the verify service's
 1-position bf16 SmolLM2-135M step 48-50 ms against 29 ms, and a single client's tokens/s 20 -> 34
 once the model was loaded on the thread that runs the steps.

@@ -6,7 +6,8 @@
 #   .gpu-b/data    the distilled answers, xz-compressed (a third smaller than the gzip copies in data/:
 #                  .gpu-b is ~60 MB of its 64 with the target's second part and the wheels; `train --data`
 #                  reads .jsonl.xz as it is); those named in C_DATA (default: the CPU's later-turn answers
-#                  of session 42) go to .gpu-c/data instead, where there is room
+#                  of sessions 42-43 and its long first-turn answers of session 43) go to .gpu-c/data
+#                  instead, where there is room
 #   .gpu-c/init    the shipped moa-tli0 and eagle2 checkpoints (the fine-tuning start)
 #   .gpu-c/wheels  the venv's grpcio: the GPU image's 1.84 refuses the generated stubs (they need
 #                  >= 1.85.1), which stopped serve-bench there in session 26 (.gpu-b has no room left);
@@ -47,7 +48,7 @@ mkdir -p .gpu-b/wheels .gpu-b/data .gpu-c/init .gpu-c/wheels
   "pytest-timeout==$("$py" -c 'from importlib.metadata import version; print(version("pytest-timeout"))')" 2>&1 | grep -vi warning || true
 cp -r "$root/../shared/models/stories260K" .gpu-c/
 rm -rf .gpu-b/data .gpu-c/data && mkdir -p .gpu-b/data .gpu-c/data  # no earlier session's copy stays behind
-C_DATA=${C_DATA:-smollm2-answers-later-cpu}
+C_DATA=${C_DATA:-smollm2-answers-later-cpu smollm2-answers-long-cpu}
 shopt -s nullglob  # either kind of file may be absent
 for f in data/smollm2-answers*.jsonl data/smollm2-answers*.jsonl.gz; do
   name=$(basename "$f" .gz)
