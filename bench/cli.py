@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from splitspec.shared.config import ServerLimits
 from splitspec.shared.models import DEFAULT_TARGET
 
 DEFAULT_METHODS = "none,ngram,draft-model:smollm2-135m@layers=8,eagle2,moa,moa:tli=1,falcon,tokenswift,swift"
@@ -82,6 +83,9 @@ def _add_serve_bench_parser(sub) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="the server's device (`serve --device`)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="the server's target dtype (`serve --dtype`; float32 is the service's default)")
+    p.add_argument("--batch-window-ms", type=_windows, default=[ServerLimits().batch_window_ms],
+                   help="server --batch-window-ms values compared for every --max-batch above 1, comma-separated "
+                        "(default: the service's)")
     p.add_argument("--client-processes", type=_at_least_one, default=1, metavar="P",
                    help="spread each point's clients over up to P processes (default 1: threads of this one; "
                         "on a GPU server with spare cores one process's interpreter lock can cap the clients)")
@@ -152,6 +156,17 @@ def _max_batches(text: str) -> list[tuple[int, str]]:
         return [parse_batch(b) for b in text.split(",")]
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _windows(text: str) -> list[float]:
+    """An argparse type: '0,5' -> [0.0, 5.0] (milliseconds >= 0, in the order given)."""
+    try:
+        windows = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated milliseconds, got {text!r}") from None
+    if not windows or not all(w >= 0 and w != float("inf") for w in windows):
+        raise argparse.ArgumentTypeError(f"windows must be finite and >= 0 ms, got {text!r}")
+    return windows
 
 
 def _positive(text: str) -> float:

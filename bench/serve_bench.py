@@ -9,8 +9,9 @@ so that their drafting and gRPC work is not held to one interpreter lock: on a G
 spare host cores (session 37, an H200: a 135M target's verify step is ~30 ms of host work) a
 16-thread client process may itself be the bottleneck the table measures. Reported per
 (max_batch, clients): aggregate generated tokens/s, per-client tokens/s, p50/p99 latency of a
-Verify call as the client sees it (round trip), and ratios against one client and against
-unbatched serving. Clients and server share this machine's cores: the ratios within one run are
+Verify call as the client sees it (round trip), ratios against one client and against
+unbatched serving, and how many Verify steps a target forward scored on average (read from the
+server's Prometheus metrics before and after the point). Clients and server share this machine's cores: the ratios within one run are
 the result, not the absolute figures.
 """
 from __future__ import annotations
@@ -45,18 +46,40 @@ class ServeResult:
     per_client_tok_s: float
     step_ms_p50: float
     step_ms_p99: float
+    steps_per_forward: float | None = None  # mean Verify steps a target forward scored (the server's metrics)
+    window_ms: float | None = None  # server --batch-window-ms (None: not set by the bench)
 
     @property
     def label(self) -> str:
-        """The max-batch column: '8', '8 (padded)' for the padded way of batching, '1 (graphs)'."""
+        """The max-batch column: '8', '8 (padded)' for the padded way of batching, '1 (graphs)',
+        with ', window W ms' where the bench set the batching window of a max batch above 1."""
         if self.batching == "graphs":
-            return f"{self.max_batch} (graphs)"
-        return f"{self.max_batch}" if self.batching == "ragged" or self.max_batch == 1 else \
-            f"{self.max_batch} ({self.batching})"
+            base = f"{self.max_batch} (graphs)"
+        else:
+            base = f"{self.max_batch}" if self.batching == "ragged" or self.max_batch == 1 else \
+                f"{self.max_batch} ({self.batching})"
+        return base + (f", window {self.window_ms:g} ms" if self.window_ms is not None and self.max_batch > 1 else "")
 
     @property
     def tok_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def forward_batches(metrics_port: int) -> tuple[float, float]:
+    """(Verify steps scored, target forwards) so far, from a server's Prometheus metrics
+    (server/metrics.py `splitspec_forward_batch_size`).
+
+    Raises:
+        OSError: the metrics endpoint cannot be read.
+    """
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    samples = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    return samples.get("splitspec_forward_batch_size_sum", 0.0), samples.get("splitspec_forward_batch_size_count", 0.0)
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -216,18 +239,23 @@ def cmd_serve_bench(args) -> None:
     drafter = DrafterSpec.parse(args.drafter)
     target_model = shared_target(drafter, args.target)  # once for every point run in this process
     results: list[ServeResult] = []
-    for max_batch, batching in batches:
-        port = free_port()
+    points = [(max_batch, batching, window) for max_batch, batching in batches
+              for window in (args.batch_window_ms if max_batch > 1 else [None])]
+    for max_batch, batching, window in points:
+        port, metrics_port = free_port(), free_port()
         graphs = ["--cuda-graphs"] if batching == "graphs" else []
+        windowed = ["--batch-window-ms", f"{window:g}"] if window is not None else []
         server = start_server(args.target, port, extra=["--max-batch", str(max_batch),
                                                         "--batching", "ragged" if graphs else batching, *graphs,
-                                                        "--max-sessions", str(max(clients) + 1),
-                                                        "--device", args.device, "--dtype", args.dtype],
+                                                        *windowed, "--max-sessions", str(max(clients) + 1),
+                                                        "--device", args.device, "--dtype", args.dtype,
+                                                        "--metrics-port", str(metrics_port)],
                               threads=args.threads)
         try:
             run_clients(f"127.0.0.1:{port}", 1, prompts, drafter, fingerprint, args.target, 2.0, 8,  # warm-up
                         target_model=target_model)
             for n in clients:
+                steps_before, forwards_before = forward_batches(metrics_port)
                 if args.client_processes > 1:
                     tokens, elapsed, rates, steps = run_client_processes(
                         f"127.0.0.1:{port}", n, args.client_processes, prompts, args.drafter, fingerprint, args.target,
@@ -236,8 +264,11 @@ def cmd_serve_bench(args) -> None:
                     tokens, elapsed, rates, steps = run_clients(f"127.0.0.1:{port}", n, prompts, drafter, fingerprint,
                                                                 args.target, args.seconds, args.max_new_tokens,
                                                                 target_model=target_model)
+                steps_after, forwards_after = forward_batches(metrics_port)
+                forwards = forwards_after - forwards_before
                 results.append(ServeResult(max_batch, batching, n, tokens, elapsed, statistics.mean(rates),
-                                           _percentile(steps, 0.5), _percentile(steps, 0.99)))
+                                           _percentile(steps, 0.5), _percentile(steps, 0.99),
+                                           (steps_after - steps_before) / forwards if forwards else None, window))
                 print(f"max-batch {results[-1].label}, {n} clients: {results[-1].tok_s:.1f} tokens/s",
                       file=sys.stderr)
         finally:
@@ -265,13 +296,14 @@ def render(results: list[ServeResult], args) -> str:
              f"{_processes_label(getattr(args, 'client_processes', 1))}",
              "",
              "| max batch | clients | aggregate tokens/s | vs 1 client | vs unbatched | per-client tokens/s | "
-             "step p50 ms | step p99 ms |",
-             "|---|---|---|---|---|---|---|---|"]
+             "step p50 ms | step p99 ms | steps per forward |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         vs_one = f"{r.tok_s / one[r.label]:.2f}x" if one.get(r.label) else "-"  # no 1-client point in the run
         vs_unbatched = f"{r.tok_s / unbatched[r.clients]:.2f}x" if unbatched.get(r.clients) else "-"  # no max-batch 1
+        per_forward = f"{r.steps_per_forward:.2f}" if r.steps_per_forward is not None else "-"
         lines.append(f"| {r.label} | {r.clients} | {r.tok_s:.1f} | {vs_one} | {vs_unbatched} | "
-                     f"{r.per_client_tok_s:.1f} | {r.step_ms_p50:.1f} | {r.step_ms_p99:.1f} |")
+                     f"{r.per_client_tok_s:.1f} | {r.step_ms_p50:.1f} | {r.step_ms_p99:.1f} | {per_forward} |")
     goal = [r for r in results if r.clients == 8 and r.max_batch > 1]
     if goal:
         lines.append("")

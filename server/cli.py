@@ -61,6 +61,9 @@ def _add_service_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=d.max_batch,
                    help="Verify steps of different sessions scored in one forward (those queued when the model "
                         "worker gets free); 1 = one step per forward")
+    p.add_argument("--batch-window-ms", type=float, default=d.batch_window_ms,
+                   help="when fewer steps are queued than there are active sessions, wait up to this long for the "
+                        "others' steps before a batched forward (a lone session never waits); 0 = off")
     p.add_argument("--batching", choices=["ragged", "padded"], default="ragged",
                    help="how steps share a forward: ragged (trees end to end, attention per session against its own "
                         "cache; used where the target's attention is SDPA's, else padded) or padded (caches copied "
@@ -93,7 +96,7 @@ def server_limits(args) -> ServerLimits:
                         max_total_kv_bytes=args.max_kv_bytes, rate_limit_per_s=args.rate_limit or None,
                         rate_limit_burst=args.rate_burst, keepalive_time_s=args.keepalive,
                         keepalive_timeout_s=args.keepalive_timeout, min_ping_interval_s=args.min_ping_interval,
-                        max_batch=args.max_batch)
+                        max_batch=args.max_batch, batch_window_ms=args.batch_window_ms)
 
 
 def server_security(args) -> ServerSecurity:

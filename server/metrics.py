@@ -9,6 +9,7 @@ Metrics hold counts, sizes and times only: never token ids, text or session ids.
     splitspec_refusals_total{method,code}   calls refused, by gRPC status code
     splitspec_accept_length                 histogram: accepted draft tokens per step
     splitspec_step_latency_seconds{phase}   histogram: queue (arrival -> model work), forward, total
+    splitspec_forward_batch_size            histogram: Verify steps scored per target forward
     splitspec_sessions                      open sessions
     splitspec_kv_tokens / splitspec_kv_bytes  KV cache held + reserved (server/limits.py estimate)
 """
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 ACCEPT_LENGTH_BUCKETS = tuple(range(0, 17)) + (24, 32, 64)
+BATCH_SIZE_BUCKETS = tuple(range(1, 17)) + (24, 32, 64)
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -39,6 +41,8 @@ class ServiceMetrics:
         self.step_latency = Histogram("splitspec_step_latency_seconds",
                                       "Verify step latency on the server: queue, forward, total",
                                       ["phase"], buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram("splitspec_forward_batch_size", "Verify steps scored per target forward",
+                                    buckets=BATCH_SIZE_BUCKETS, registry=r)
         self.sessions = Gauge("splitspec_sessions", "Open sessions", registry=r)
         self.kv_tokens = Gauge("splitspec_kv_tokens", "KV-cache tokens held by sessions plus reserved", registry=r)
         self.kv_bytes = Gauge("splitspec_kv_bytes", "KV-cache bytes held plus reserved (estimate)", registry=r)
@@ -62,6 +66,10 @@ class ServiceMetrics:
         self.accept_length.observe(accepted)
         for phase, ms in (("queue", queue_ms), ("forward", forward_ms), ("total", total_ms)):
             self.step_latency.labels(phase=phase).observe(ms / 1e3)
+
+    def forward(self, steps: int) -> None:
+        """Record one target forward that scored `steps` Verify steps (1 = unbatched)."""
+        self.batch_size.observe(steps)
 
     def serve_http(self, port: int, host: str = "127.0.0.1") -> int:
         """Export /metrics over HTTP on host:port (port 0 picks a free one); returns the port.

@@ -64,6 +64,9 @@ PARSE_THREADS = 2  # threads that decode and check draft probabilities beside th
 # transient at the limit). A ragged forward copies no prefix and is bounded by max_batch alone.
 MAX_BATCH_PADDED_TOKENS = 16384
 _DROP_NOTICE_S = 0.2  # shutdown: the longest wait, after the grace period, for dropped calls to be told
+# a session whose last call ended this recently is expected to send its next Verify step soon: the
+# batching window waits for such sessions (ServerLimits.batch_window_ms)
+ACTIVE_SESSION_S = 1.0
 
 
 
@@ -201,7 +204,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         self._idle = asyncio.Event()
         self._idle.set()
         self._waiting: list[_Step] = []  # Verify steps not yet taken by a worker job
-        self._waiting_lock = threading.Lock()
+        self._waiting_lock = threading.Condition()  # guards _waiting; notified when a step joins it
         self.batch_sizes: collections.Counter[int] = collections.Counter()  # steps per model forward
 
     async def _run(self, fn, *args, reserved: int = 0):
@@ -335,6 +338,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
             item = _Step(entry, request.step, tree, draft_probs, forced, arrived)
             with self._waiting_lock:
                 self._waiting.append(item)
+                self._waiting_lock.notify_all()
             try:
                 reply, _ = await self._run(self._verify_waiting, item, reserved=reserved)
             finally:
@@ -370,6 +374,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         score them in one forward (`_verify_steps`). Returns this call's reply or raises its error."""
         if not item.done:
             with self._waiting_lock:
+                self._gather_steps()
                 batch = [item]
                 for other in self._waiting:
                     if len(batch) >= self.limits.max_batch:
@@ -384,6 +389,25 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         if item.error is not None:
             raise item.error
         return item.reply
+
+    def _gather_steps(self) -> None:
+        """The batching window (worker thread, holding the waiting lock): while fewer steps wait
+        than there are active sessions (up to `max_batch`), wait for theirs, at most
+        `batch_window_ms` in all. Clients answered by one forward send their next steps within a
+        few ms of each other; without the wait the first to arrive takes the worker and the rest
+        queue behind it, and a group of clients splits into forwards of half its size (measured:
+        4.0 steps per forward with 8 clients and max_batch 8). A lone active session never waits."""
+        window = self.limits.batch_window_ms / 1e3
+        if window <= 0 or self.limits.max_batch <= 1:
+            return
+        deadline = time.monotonic() + window
+        while True:
+            now = time.monotonic()
+            active = sum(1 for e in list(self.sessions.values())
+                         if e.session is not None and not e.closed and now - e.last_used <= ACTIVE_SESSION_S)
+            if len(self._waiting) >= min(active, self.limits.max_batch) or now >= deadline:
+                return
+            self._waiting_lock.wait(deadline - now)
 
     @staticmethod
     def _padded_tokens(batch: list[_Step]) -> int:
@@ -421,6 +445,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
             except Exception:  # the batched forward failed before any cache changed: score each alone
                 log.warning("a batched forward of %d steps failed; scoring them one by one", len(ready))
         self.batch_sizes[len(ready)] += 1
+        self.metrics.forward(len(ready))
         for item, out in zip(ready, outs):
             try:
                 if out is None:

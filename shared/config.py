@@ -50,15 +50,19 @@ class ServerLimits:
     min_ping_interval_s: float = 5.0  # clients may ping this often (>= it) without a ping strike
     max_ping_strikes: int = 2  # too-frequent pings tolerated before GOAWAY; 0 = unlimited
     # Verify steps of different sessions scored in one target forward: the steps queued when the
-    # model worker gets free, up to this many (no waiting window: a lone step runs at once); 1 = off
+    # model worker gets free, up to this many; 1 = off
     max_batch: int = 8
+    # and when fewer are queued than there are active sessions (a Verify within ACTIVE_SESSION_S),
+    # the worker waits up to this long for the others' next steps; a lone session never waits;
+    # 0 = take what is queued
+    batch_window_ms: float = 5.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             if value is None:
                 continue
-            zero_ok = f.name in ("max_ping_strikes",)
+            zero_ok = f.name in ("max_ping_strikes", "batch_window_ms")
             if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
                 raise ValueError(f"server limit {f.name} must be {'>= 0' if zero_ok else '> 0'}, got {value}")
 

@@ -261,6 +261,20 @@ def test_serve_bench_drives_concurrent_clients(stories, serve, stories_path, tmp
                      SimpleNamespace(target="t", drafter="ngram", seconds=1.0, max_new_tokens=12, threads=1,
                                      device="cuda", dtype="bfloat16"))
     assert "| 1 (graphs) | 1 | 150.0 |" in graphed  # a row of its own, not the unbatched baseline
+    assert graphed.splitlines()[-1].endswith("| - |")  # no steps-per-forward figure for it
+    batched = render([ServeResult(8, "ragged", 8, 400, 1.0, 50.0, 9.0, 20.0, 6.25)],
+                     SimpleNamespace(target="t", drafter="ngram", seconds=1.0, max_new_tokens=12, threads=1,
+                                     device="cpu"))
+    assert "| 8 | 8 | 400.0 | - | - | 50.0 | 9.0 | 20.0 | 6.25 |" in batched
+    windowed = render([ServeResult(8, "ragged", 1, 100, 1.0, 100.0, 5.0, 9.0, 1.0, 0.0),
+                       ServeResult(8, "ragged", 8, 450, 1.0, 56.0, 9.0, 20.0, 7.5, 0.0),
+                       ServeResult(8, "ragged", 1, 100, 1.0, 100.0, 5.0, 9.0, 1.0, 5.0),
+                       ServeResult(8, "ragged", 8, 500, 1.0, 62.0, 9.0, 20.0, 7.9, 5.0)],
+                      SimpleNamespace(target="t", drafter="ngram", seconds=1.0, max_new_tokens=12, threads=1,
+                                      device="cpu"))
+    assert "| 8, window 0 ms | 8 | 450.0 | 4.50x |" in windowed and "| 8, window 5 ms | 8 | 500.0 | 5.00x |" in windowed
+    assert "measured 5.00x (max batch 8, window 5 ms) -> met" in windowed
+    assert ServeResult(1, "ragged", 1, 1, 1.0, 1.0, 1.0, 1.0, None, 5.0).label == "1"  # no window without batching
     assert "server on cuda (bfloat16)" in graphed
     for bad in ("0", "x", "8:wide", "-1"):
         with pytest.raises(ValueError, match="--max-batch"):
@@ -273,11 +287,13 @@ def test_serve_bench_drives_concurrent_clients(stories, serve, stories_path, tmp
     (["--max-batch", "1,8:wide"], "--max-batch entries are N or N:ragged"),
     (["--seconds", "0"], "must be > 0"),
     (["--client-processes", "0"], "must be >= 1"),
+    (["--batch-window-ms", "5,-1"], "windows must be finite and >= 0 ms"),
 ])
 def test_serve_bench_refuses_bad_flags_before_loading_anything(flags, message, capsys):
     """A mistyped serve-bench flag is an argparse error naming the flag, not a traceback after the
     tokenizer and prompts have loaded."""
     from splitspec.cli.main import build_parser
+    from splitspec.shared.config import ServerLimits
 
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(["serve-bench", *flags])
@@ -285,6 +301,8 @@ def test_serve_bench_refuses_bad_flags_before_loading_anything(flags, message, c
     args = build_parser().parse_args(["serve-bench", "--clients", "2,8", "--max-batch", "1,8:padded"])
     assert args.clients == [2, 8] and args.max_batch == [(1, "ragged"), (8, "padded")]
     assert args.dtype == "float32"  # the service's own default
+    assert args.batch_window_ms == [ServerLimits().batch_window_ms]
+    assert build_parser().parse_args(["serve-bench", "--batch-window-ms", "0,5"]).batch_window_ms == [0.0, 5.0]
     assert build_parser().parse_args(["serve-bench", "--dtype", "bfloat16"]).dtype == "bfloat16"
 
 
@@ -356,3 +374,83 @@ def test_serve_bench_clients_share_one_copy_of_the_target(stories, serve, storie
         server.address, 2, prompts, DrafterSpec.parse(f"moa:{tmp_path / 'moa'};vocab=0"),
         tokenizer_fingerprint(tokenizer), str(stories_path), 1.0, 12, target_model=model)
     assert loads == [str(stories_path)] and tokens > 0
+
+
+def test_serve_bench_reads_steps_per_forward_from_the_servers_metrics():
+    """The steps-per-forward column comes from the service's own histogram, read over HTTP."""
+    from splitspec.bench.serve_bench import forward_batches
+    from splitspec.server.metrics import ServiceMetrics
+
+    metrics = ServiceMetrics()
+    port = metrics.serve_http(0)
+    try:
+        assert forward_batches(port) == (0.0, 0.0)
+        for steps in (3, 5, 1):
+            metrics.forward(steps)
+        assert forward_batches(port) == (9.0, 3.0)
+    finally:
+        metrics.stop_http()
+
+
+def _window_service(stories, serve, window_ms: float):
+    """(stub, fingerprint, server) of a service with max_batch 8 and this batching window."""
+    import grpc
+
+    from splitspec.shared.config import ServerLimits
+    from splitspec.shared.models import tokenizer_fingerprint
+    from splitspec.v1 import verify_pb2_grpc as pb_grpc
+
+    model, tokenizer, model_id = stories
+    server = serve(TargetRunner(model, tokenizer, model_id), ServerLimits(max_batch=8, batch_window_ms=window_ms))
+    return pb_grpc.VerifyServiceStub(grpc.insecure_channel(server.address)), tokenizer_fingerprint(tokenizer), server
+
+
+def _opened(stub, fingerprint, n: int) -> list[bytes]:
+    from splitspec.v1 import verify_pb2 as pb
+
+    return [stub.OpenSession(pb.OpenSessionRequest(prompt_ids=[1, 40 + i, 50, 60], tokenizer_fingerprint=fingerprint),
+                             timeout=30).session_id for i in range(n)]
+
+
+def _step(stub, session_id: bytes) -> float:
+    """Verify step 1 of a session (a 2-node chain); returns its round trip in seconds."""
+    from splitspec.v1 import verify_pb2 as pb
+
+    began = time.monotonic()
+    stub.Verify(pb.VerifyRequest(session_id=session_id, step=1, tree=pb.DraftTree(tokens=[5, 6], parents=[-1, 0])),
+                timeout=30)
+    return time.monotonic() - began
+
+
+def test_the_batching_window_waits_for_the_other_active_sessions(stories, serve):
+    """With three sessions active, a step that finds the worker free waits (up to the window) for
+    the other two, and the three are scored in one forward."""
+    stub, fingerprint, server = _window_service(stories, serve, window_ms=3000)
+    a, b, c = _opened(stub, fingerprint, 3)
+    first = threading.Thread(target=lambda: times.append(_step(stub, a)))
+    times: list[float] = []
+    first.start()
+    time.sleep(0.3)  # the worker is holding a's step, waiting for b's and c's
+    assert server.servicer.batch_sizes == {}
+    others = [threading.Thread(target=_step, args=(stub, s)) for s in (b, c)]
+    for t in [*others]:
+        t.start()
+    for t in [first, *others]:
+        t.join(30)
+    assert server.servicer.batch_sizes == {3: 1}, server.servicer.batch_sizes
+    assert 0.3 <= times[0] < 3.0  # it waited for them, and stopped waiting once they came
+
+
+@pytest.mark.parametrize("window_ms, idle", [(3000, False), (3000, True), (0, False)])
+def test_a_lone_or_unbatched_step_does_not_wait(stories, serve, monkeypatch, window_ms, idle):
+    """A lone active session never waits for the window; nor does a step whose other sessions have
+    been idle longer than ACTIVE_SESSION_S, nor any step with the window off."""
+    from splitspec.server import service
+
+    monkeypatch.setattr(service, "ACTIVE_SESSION_S", 0.2 if idle else 60.0)
+    stub, fingerprint, server = _window_service(stories, serve, window_ms=window_ms)
+    sessions = _opened(stub, fingerprint, 1 if window_ms and not idle else 3)
+    if idle:
+        time.sleep(0.5)
+    assert _step(stub, sessions[0]) < 1.5  # the window is 3 s
+    assert server.servicer.batch_sizes == {1: 1}

@@ -638,6 +638,8 @@ def test_prometheus_metrics(spied, serve):
             assert m[f"splitspec_step_latency_seconds_count{{phase={phase}}}"] == len(trees)
         total, forward = (m[f"splitspec_step_latency_seconds_sum{{phase={p}}}"] for p in ("total", "forward"))
         assert total >= forward > 0
+        # one session: every forward scored one step (the replay and the refusals ran none)
+        assert m["splitspec_forward_batch_size_count"] == m["splitspec_forward_batch_size_sum"] == len(trees)
         assert m["splitspec_refusals_total{code=INVALID_ARGUMENT,method=Verify}"] == 1
         assert m["splitspec_refusals_total{code=NOT_FOUND,method=Verify}"] == 1
         assert m["splitspec_sessions"] == 1
