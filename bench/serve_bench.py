@@ -11,8 +11,8 @@ spare host cores (session 37, an H200: a 135M target's verify step is ~30 ms of 
 (max_batch, clients): aggregate generated tokens/s, per-client tokens/s, p50/p99 latency of a
 Verify call as the client sees it (round trip), ratios against one client and against
 unbatched serving, and how many Verify steps a target forward scored on average (read from the
-server's Prometheus metrics before and after the point). Clients and server share this machine's cores: the ratios within one run are
-the result, not the absolute figures.
+server's Prometheus metrics before and after the point). Clients and server share this
+machine's cores: the ratios within one run are the result, not the absolute figures.
 """
 from __future__ import annotations
 

@@ -69,7 +69,6 @@ _DROP_NOTICE_S = 0.2  # shutdown: the longest wait, after the grace period, for 
 ACTIVE_SESSION_S = 1.0
 
 
-
 @dataclass
 class _Entry:
     session_id: bytes
