@@ -454,3 +454,16 @@ def test_a_lone_or_unbatched_step_does_not_wait(stories, serve, monkeypatch, win
         time.sleep(0.5)
     assert _step(stub, sessions[0]) < 1.5  # the window is 3 s
     assert server.servicer.batch_sizes == {1: 1}
+
+
+def test_serve_flags_set_the_batching_window():
+    """`serve --batch-window-ms` reaches ServerLimits (default 5 ms); a negative window is refused."""
+    from splitspec.cli.main import build_parser
+    from splitspec.server.cli import server_limits
+
+    parse = build_parser().parse_args
+    assert server_limits(parse(["serve"])).batch_window_ms == 5.0
+    limits = server_limits(parse(["serve", "--batch-window-ms", "0", "--max-batch", "4"]))
+    assert (limits.batch_window_ms, limits.max_batch) == (0.0, 4)
+    with pytest.raises(ValueError, match="batch_window_ms"):
+        server_limits(parse(["serve", "--batch-window-ms", "-1"]))
