@@ -5,9 +5,10 @@
 # carries a folder copies it to /tmp and the last call links them back). In one command of < 10 min:
 # 1. for DISTILL_S seconds, extend the later-turn answers (data/smollm2-answers-later-cuda.jsonl.gz,
 #    resumed; the first-turn prompts of <= 256 tokens are all answered since session 24) up to prompt
-#    DLIMIT (default 8,600: session 42 answered the later-turn prompts from 8,600 to the pool's end,
-#    10,199, on a CPU, data/smollm2-answers-later-cpu.jsonl.gz; once the GPU's file reaches DLIMIT this
-#    phase ends at once and the call's time goes to training);
+#    DLIMIT (default 8,600: sessions 42-43 answered the later-turn prompts from 8,600 to the pool's end,
+#    10,199, on a CPU, data/smollm2-answers-later-cpu.jsonl; once the GPU's file reaches DLIMIT this
+#    phase ends at once and the call's time goes to training; session 43's CPU also answered the long
+#    first turns no file had, data/smollm2-answers-long-cpu.jsonl, trained on like every other file);
 # 2. fine-tune DRAFTERS (default moa,eagle2: moa at tli 0) from INIT (default .gpu-c/init, the shipped
 #    checkpoints) on every distilled file for TRAIN_MIN minutes, the lr decay and staircase on the
 #    clock (--time-schedule); DRAFTERS=moa,eagle2,moa:tli=1 INIT=.gpu-c/init,moa-tli1=.gpu-d/moa-tli1
