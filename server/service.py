@@ -64,9 +64,10 @@ PARSE_THREADS = 2  # threads that decode and check draft probabilities beside th
 # transient at the limit). A ragged forward copies no prefix and is bounded by max_batch alone.
 MAX_BATCH_PADDED_TOKENS = 16384
 _DROP_NOTICE_S = 0.2  # shutdown: the longest wait, after the grace period, for dropped calls to be told
-# a session whose last call ended this recently is expected to send its next Verify step soon: the
-# batching window waits for such sessions (ServerLimits.batch_window_ms)
+# the batching window (ServerLimits.batch_window_ms) waits only for sessions answered within this
+# long whose next step is due inside the window by their measured turnaround
 ACTIVE_SESSION_S = 1.0
+TURNAROUND_EMA = 0.3  # weight of the newest reply-to-next-step gap in a session's turnaround estimate
 
 
 @dataclass
@@ -81,6 +82,8 @@ class _Entry:
     # memory its fixed-shape verify steps hold (CUDA-graph inputs and outputs), as KV tokens of the
     # same bytes: counted in the server-wide budgets, not in the session's own (a context limit)
     step_tokens: int = 0
+    replied_at: float | None = None  # monotonic time its last Verify reply was ready
+    turnaround_s: float | None = None  # moving average of the gap from a reply to the next step's arrival
 
 
 @dataclass(eq=False)
@@ -327,6 +330,10 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         entry = self._entry(request.session_id)
         async with entry.lock:
             entry.last_used = time.monotonic()
+            if entry.replied_at is not None:  # the client's side of the last step: link, drafting
+                gap = entry.last_used - entry.replied_at
+                entry.turnaround_s = gap if entry.turnaround_s is None else \
+                    (1 - TURNAROUND_EMA) * entry.turnaround_s + TURNAROUND_EMA * gap
             tree = check_tree(request, vocab_size=self.runner.vocab_size, limits=self.limits)
             forced = check_forced(request, vocab_size=self.runner.vocab_size, limits=self.limits)
             draft_probs = {}
@@ -346,7 +353,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                         self._waiting.remove(item)
                 if entry.closed:  # the model work failed on the worker
                     self._forget(entry)
-            entry.last_used = time.monotonic()
+            entry.last_used = entry.replied_at = time.monotonic()
             self._fit_reply(reply, entry)
             return reply
 
@@ -390,21 +397,27 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         return item.reply
 
     def _gather_steps(self) -> None:
-        """The batching window (worker thread, holding the waiting lock): while fewer steps wait
-        than there are active sessions (up to `max_batch`), wait for theirs, at most
-        `batch_window_ms` in all. Clients answered by one forward send their next steps within a
-        few ms of each other; without the wait the first to arrive takes the worker and the rest
-        queue behind it, and a group of clients splits into forwards of half its size (measured:
-        4.0 steps per forward with 8 clients and max_batch 8). A lone active session never waits."""
+        """The batching window (worker thread, holding the waiting lock): wait, at most
+        `batch_window_ms` in all and while fewer than `max_batch` steps wait, for the next steps of
+        the sessions due inside the window: answered within ACTIVE_SESSION_S, no step waiting yet,
+        and their last reply plus their measured turnaround (the client's side of a step: link and
+        drafting) before the window's end. Clients answered by one forward send their next steps
+        within a few ms of each other; without the wait the first to arrive takes the worker and the
+        rest queue behind it, and a group of clients splits into forwards of half its size
+        (measured: 4.0 steps per forward with 8 loopback clients and max_batch 8). A lone session
+        never waits, nor does a step whose other sessions' turnaround (a 4G round trip) is longer
+        than the window, which could not gather them."""
         window = self.limits.batch_window_ms / 1e3
         if window <= 0 or self.limits.max_batch <= 1:
             return
         deadline = time.monotonic() + window
-        while True:
+        while len(self._waiting) < self.limits.max_batch:
             now = time.monotonic()
-            active = sum(1 for e in list(self.sessions.values())
-                         if e.session is not None and not e.closed and now - e.last_used <= ACTIVE_SESSION_S)
-            if len(self._waiting) >= min(active, self.limits.max_batch) or now >= deadline:
+            waiting = {id(s.entry) for s in self._waiting}
+            due = any(e.session is not None and not e.closed and id(e) not in waiting and e.replied_at is not None
+                      and e.turnaround_s is not None and now - e.replied_at <= ACTIVE_SESSION_S
+                      and e.replied_at + e.turnaround_s <= deadline for e in list(self.sessions.values()))
+            if not due or now >= deadline:
                 return
             self._waiting_lock.wait(deadline - now)
 

@@ -52,9 +52,9 @@ class ServerLimits:
     # Verify steps of different sessions scored in one target forward: the steps queued when the
     # model worker gets free, up to this many; 1 = off
     max_batch: int = 8
-    # and when fewer are queued than there are active sessions (a Verify within ACTIVE_SESSION_S),
-    # the worker waits up to this long for the others' next steps; a lone session never waits;
-    # 0 = take what is queued
+    # and the worker waits up to this long for the next steps of the other sessions due within it
+    # (by each one's measured reply-to-next-step turnaround: server/service.py _gather_steps); a
+    # lone session never waits; 0 = take what is queued
     batch_window_ms: float = 5.0
 
     def __post_init__(self) -> None:
