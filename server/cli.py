@@ -11,7 +11,7 @@ import asyncio
 from functools import partial
 from pathlib import Path
 
-from splitspec.shared.compute import compute_thread
+from splitspec.shared.compute import loaded_on_compute_thread
 from splitspec.shared.config import ServerLimits, ServerSecurity, parse_size, read_tokens, tokens_from_env
 from splitspec.shared.drafters.spec import DrafterSpec
 from splitspec.shared.models import DEFAULT_TARGET, load_model
@@ -62,8 +62,8 @@ def _add_service_args(p: argparse.ArgumentParser) -> None:
                    help="Verify steps of different sessions scored in one forward (those queued when the model "
                         "worker gets free); 1 = one step per forward")
     p.add_argument("--batch-window-ms", type=float, default=d.batch_window_ms,
-                   help="when fewer steps are queued than there are active sessions, wait up to this long for the "
-                        "others' steps before a batched forward (a lone session never waits); 0 = off")
+                   help="a free model worker waits up to this long for the next steps of the other sessions due "
+                        "inside it (by each session's measured turnaround; a lone session never waits); 0 = off")
     p.add_argument("--batching", choices=["ragged", "padded"], default="ragged",
                    help="how steps share a forward: ragged (trees end to end, attention per session against its own "
                         "cache; used where the target's attention is SDPA's, else padded) or padded (caches copied "
@@ -150,12 +150,7 @@ def cmd_serve(args, behind_link=None) -> None:
         return runner
 
     # loaded on the thread that will run every model step: one OpenMP pool (shared/compute.py)
-    worker = compute_thread("target")
-    try:
-        runner = worker.submit(build_runner).result()
-    except BaseException:
-        worker.shutdown(wait=False)
-        raise
+    worker, runner = loaded_on_compute_thread("target", build_runner)
     serve_kw = dict(security=security, grace_s=args.grace, metrics_port=args.metrics_port,
                     metrics_host=args.metrics_host, worker=worker)
     if args.link is None:

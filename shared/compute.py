@@ -18,9 +18,25 @@ Threads that exit release their pools: short-lived helpers are harmless.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def compute_thread(name: str) -> ThreadPoolExecutor:
     """A single-thread executor (threads named `name`_0) to load and run a process's models on."""
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+
+def loaded_on_compute_thread(name: str, load: Callable[..., T], *args) -> tuple[ThreadPoolExecutor, T]:
+    """A new `compute_thread(name)` and what `load(*args)` returned when run on it; the caller owns
+    the executor and runs every later model step there. Raises what `load` raised (the thread is
+    shut down first)."""
+    worker = compute_thread(name)
+    try:
+        return worker, worker.submit(load, *args).result()
+    except BaseException:
+        worker.shutdown(wait=False)
+        raise

@@ -44,7 +44,6 @@ def test_greedy_empty_draft():
     assert result.accepted_nodes == () and result.bonus_token == 2
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_ties_go_to_the_first_maximal_token_as_argmax(dtype):
     """generate() takes argmax (the first maximal id on a tie); bf16 logits tie often. Drafts of the
@@ -62,6 +61,7 @@ def test_greedy_ties_go_to_the_first_maximal_token_as_argmax(dtype):
     many = (torch.randn(64, vocab) * 2).round().to(dtype)  # many ties per row
     chosen = [accept_greedy(DraftTree.empty(), row[None]).bonus_token for row in many]
     assert chosen == many.argmax(-1).tolist()
+
 
 def _first_tokens_distribution(tree, logits, params, rows, n, seed):
     """Empirical distribution of the first emitted token (accepted depth-1 node or bonus)."""

@@ -250,3 +250,21 @@ def test_the_model_loads_and_every_step_runs_on_one_worker_thread(stories, stori
     server_cli.cmd_serve(build_parser().parse_args(["serve", "--target", str(stories_path)]))
     assert seen["load"] is seen["worker"] and seen["encode"] == [seen["worker"]]
     assert seen["worker"] is not threading.main_thread()
+
+
+def test_a_load_on_the_compute_thread_returns_its_result_or_raises_its_error():
+    """`loaded_on_compute_thread`: the loader runs on the returned worker's thread, not the caller's,
+    and its error reaches the caller."""
+    import threading
+
+    from splitspec.shared.compute import loaded_on_compute_thread
+
+    def load(path):
+        raise FileNotFoundError(path)
+
+    with pytest.raises(FileNotFoundError, match="no-such-model"):
+        loaded_on_compute_thread("failing-load", load, "no-such-model")
+    worker, (thread, value) = loaded_on_compute_thread("good-load", lambda x: (threading.current_thread(), x), 7)
+    assert value == 7 and thread is not threading.main_thread()
+    assert worker.submit(threading.current_thread).result() is thread
+    worker.shutdown(wait=True)

@@ -10,7 +10,7 @@ import socket
 import threading
 from functools import partial
 
-from splitspec.shared.compute import compute_thread
+from splitspec.shared.compute import loaded_on_compute_thread
 
 DEFAULT_PORT = 8765
 
@@ -53,12 +53,7 @@ def cmd_up(args, local_verifier=None) -> None:
 
     config = client_config(args)
     # built on the thread that will write every answer: one OpenMP pool (shared/compute.py)
-    worker = compute_thread("splitspec-answer")
-    try:
-        setup = worker.submit(build_client, config, local_verifier).result()
-    except BaseException:
-        worker.shutdown(wait=False)
-        raise
+    worker, setup = loaded_on_compute_thread("splitspec-answer", build_client, config, local_verifier)
     history = ChatHistory(args.history or default_path())
     server = DaemonServer(daemon_app(setup, setup.target, api_key=api_key, max_queue=args.max_queue,
                                      max_new_tokens=args.max_new_tokens, private_ngram=args.private_ngram,
