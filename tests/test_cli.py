@@ -163,16 +163,19 @@ def test_missing_shipped_checkpoint_names_what_ships_and_how_to_train(capsys):
 def test_train_command_defaults_are_the_trainers():
     """`splitspec train` keeps its defaults as literals (the CLI does not import torch to build its
     parser), so a bare command must still give TrainConfig's own defaults; only the learning rate
-    differs on purpose (a run from scratch on the command line takes 1e-3, the tests' tiny runs 5e-4)."""
+    differs on purpose (a run from scratch on the command line takes 1e-3, the tests' tiny runs 5e-4),
+    and --compile (auto on the command line; the tests' tiny runs stay eager rather than pay seconds of
+    compiling each)."""
     import dataclasses
 
     from pathlib import Path
 
     from splitspec.cli.main import build_parser
     from splitspec.train.cli import train_config
-    from splitspec.train.trainer import TrainConfig
+    from splitspec.train.trainer import TrainConfig, can_compile
 
     cfg = train_config(build_parser().parse_args(["train", "--drafter", "moa", "--out", "x", "--dtype", "float32"]))
     default = TrainConfig(drafter="moa", target=cfg.target, out=Path("x"), dtype="float32")
     differ = {f.name for f in dataclasses.fields(TrainConfig) if getattr(cfg, f.name) != getattr(default, f.name)}
-    assert differ == {"lr"}, differ
+    assert differ - {"compile"} == {"lr"}, differ
+    assert cfg.compile == ("on" if can_compile("cpu") else "off") and default.compile == "off"

@@ -203,6 +203,87 @@ def test_lsa_memory_is_per_token_across_chunks(stories, pool):
             torch.testing.assert_close(together[i], drafter.memory(layer_kv[i:i + 1])[0], rtol=1e-4, atol=1e-5)
 
 
+def test_lsa_attention_is_eager_and_equals_sdpa(stories):
+    """LSA's block attends with plain matmul + softmax (faster than CPU SDPA over ~30 layers for
+    thousands of tokens, shared/drafters/moa.py); it gives SDPA's memory to fp32 rounding."""
+    model, _, _ = stories
+    torch.manual_seed(6)
+    drafter = MoADrafter(MoAConfig.from_target(model.config)).eval()
+    assert drafter.lsa.self_attn.config._attn_implementation == "eager"
+    assert drafter.sa.self_attn.config._attn_implementation == "sdpa"
+    layer_kv = torch.randn(9, model.config.num_hidden_layers, drafter.config.kv_width)
+    with torch.no_grad():
+        eager = drafter.memory(layer_kv)
+        drafter.lsa.self_attn.config._attn_implementation = "sdpa"
+        torch.testing.assert_close(eager, drafter.memory(layer_kv), rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_lsa_pads_chunks_and_runs_only_with_gradients(stories, monkeypatch):
+    """compile_lsa: passes with gradients go through the compiled block, every one at the chunk's
+    full size (the last one padded with zero rows, dropped after), with the memory and the gradients
+    of the eager block; passes without gradients stay eager; the parameters are unchanged. (The
+    compiled block is stood in for by a recording wrapper here: torch.compile's own equality is
+    test_compiled_lsa_equals_eager, slow.)"""
+    from splitspec.shared.drafters import moa
+
+    model, _, _ = stories
+    monkeypatch.setattr(moa, "lsa_chunk", lambda device: 4)
+    torch.manual_seed(7)
+    drafter = MoADrafter(MoAConfig.from_target(model.config)).train()
+    keys = list(drafter.state_dict())
+    layer_kv = torch.randn(10, model.config.num_hidden_layers, drafter.config.kv_width)
+    eager = drafter.memory(layer_kv)
+    eager.square().sum().backward()
+    used = [p for p in drafter.parameters() if p.grad is not None]  # LSA's block and projection
+    eager_grads = [p.grad.clone() for p in used]
+    drafter.zero_grad()
+    drafter.compile_lsa()
+    assert list(drafter.state_dict()) == keys
+    shapes = []
+
+    def recording(chunk, **kwargs):
+        shapes.append(chunk.shape[0])
+        return drafter.lsa(chunk, **kwargs)
+
+    drafter._lsa_compiled = recording
+    compiled = drafter.memory(layer_kv)
+    compiled.square().sum().backward()
+    assert shapes == [4, 4, 4]
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    assert len(used) > 10
+    for p, g in zip(used, eager_grads):
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(drafter.memory(layer_kv), eager.detach(), rtol=1e-5, atol=1e-6)
+    assert shapes == [4, 4, 4]
+
+
+@pytest.mark.slow
+def test_compiled_lsa_equals_eager(stories):
+    """The real torch.compile (inductor, a C++ compiler) gives the eager block's memory and gradients
+    in fp32."""
+    from splitspec.train.trainer import can_compile
+
+    if not can_compile("cpu"):
+        pytest.skip("no C++ compiler for inductor")
+    model, _, _ = stories
+    torch.manual_seed(8)
+    drafter = MoADrafter(MoAConfig.from_target(model.config)).train()
+    layer_kv = torch.randn(70, model.config.num_hidden_layers, drafter.config.kv_width)
+    eager = drafter.memory(layer_kv)
+    eager.square().sum().backward()
+    used = [p for p in drafter.parameters() if p.grad is not None]  # LSA's block and projection
+    eager_grads = [p.grad.clone() for p in used]
+    drafter.zero_grad()
+    drafter.compile_lsa()
+    compiled = drafter.memory(layer_kv)
+    compiled.square().sum().backward()
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+    assert len(used) > 10
+    for p, g in zip(used, eager_grads):
+        torch.testing.assert_close(p.grad, g, rtol=1e-3, atol=1e-5)
+
+
 def test_lsa_chunks_are_small_on_a_cpu_only(stories, monkeypatch):
     """On an accelerator every LSA pass is a round of kernel launches, so a training batch runs in a
     few passes; on a CPU, chunks that stay in cache (measured faster there). The memory runs as many

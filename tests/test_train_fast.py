@@ -363,6 +363,64 @@ def test_a_stop_signal_saves_and_resume_continues_exactly(stories_path, tmp_path
             torch.testing.assert_close(a[name][key], b[name][key], rtol=0, atol=0)
 
 
+def test_eval_every_zero_evaluates_only_when_the_run_stops(stories_path, tmp_path):
+    """--eval-every 0: no held-out evaluation along the way, one at the end (it once divided by zero)."""
+    out = train(_small(stories_path, tmp_path / "a", drafter="moa", epochs=2, eval_every=0), progress=False)
+    assert out["moa-tli0"]["step"] >= 2
+    history = (tmp_path / "a" / "history.jsonl").read_text().splitlines()
+    assert len(history) == 1 and json.loads(history[0])["step"] == out["moa-tli0"]["step"]
+    with pytest.raises(ValueError, match="eval_every"):
+        _small(stories_path, tmp_path / "b", eval_every=-1)
+
+
+def test_compile_setting(monkeypatch):
+    """--compile: auto is on for a CPU with a C++ compiler and off elsewhere; on compiles each MoA's
+    LSA and nothing else; a bad value is refused."""
+    from splitspec.train import trainer
+
+    monkeypatch.setattr(trainer.shutil, "which", lambda name: "/usr/bin/" + name)
+    assert TrainConfig(drafter="moa", target="x", out=None, compile="auto").compile == "on"
+    assert TrainConfig(drafter="moa", target="x", out=None, compile="auto", device="cuda").compile == "off"
+    assert TrainConfig(drafter="moa", target="x", out=None).compile == "off"
+    monkeypatch.setattr(trainer.shutil, "which", lambda name: None)
+    monkeypatch.delenv("CXX", raising=False)
+    assert TrainConfig(drafter="moa", target="x", out=None, compile="auto").compile == "off"
+    with pytest.raises(ValueError, match="compile"):
+        TrainConfig(drafter="moa", target="x", out=None, compile="yes")
+
+
+def test_compile_on_compiles_moas_lsa_only(stories, monkeypatch):
+    from splitspec.train import trainer
+    from splitspec.shared.drafters.checkpoint import TargetIdentity
+
+    from splitspec.shared.drafters.moa import MoADrafter
+
+    model, tokenizer, _ = stories
+    compiled = []
+    monkeypatch.setattr(MoADrafter, "compile_lsa", lambda self: compiled.append(self.config.tli))
+    cfg = TrainConfig(drafter="moa,moa:tli=1,eagle2", target="x", out=None, compile="on")
+    for job in cfg.jobs():
+        trainer._init_drafter(cfg, job, model.config, TargetIdentity.of(model, tokenizer, "x"))
+    assert compiled == [0, 1]
+
+
+def test_train_bench_runs_both_paths_on_the_same_tokens(stories_path, tmp_path, monkeypatch):
+    """train-bench: the reference and the fast path over the same conversations (and, with --compile
+    on, the fast path with LSA left eager beside it), each with the tokens it trained on."""
+    from splitspec.shared.drafters.moa import MoADrafter
+    from splitspec.train.throughput import bench_throughput
+
+    cfg = _small(stories_path, tmp_path, dtype="float32")
+    runs = bench_throughput(cfg, tokens=300)
+    assert [r.path for r in runs] == ["reference", "fast"]
+    assert runs[0].tokens == runs[1].tokens >= 300 and all(r.seconds > 0 for r in runs)
+    assert runs[0].drafters == runs[1].drafters == ["moa-tli0", "eagle2"]
+    compiled = []
+    monkeypatch.setattr(MoADrafter, "compile_lsa", lambda self: compiled.append(self))
+    runs = bench_throughput(replace(cfg, compile="on"), tokens=300)
+    assert [r.path for r in runs] == ["reference", "fast", "fast, LSA not compiled"] and len(compiled) == 1
+
+
 def test_profile_steps_write_where_the_time_went_and_change_nothing(stories_path, tmp_path):
     """--profile-steps N profiles steps 2 .. N + 1 into profile.txt (a run that ends first writes
     what it saw) and leaves the training itself exactly as it was."""

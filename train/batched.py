@@ -261,7 +261,9 @@ def distill_loss_rows(logits: torch.Tensor, target_logits: torch.Tensor,
     l1_rows = sum(F.smooth_l1_loss(p.float(), t.float(), reduction="none").mean(-1)
                   for p, t in l1_terms) / len(l1_terms)  # [N]
     kl, l1 = kl_rows.sum() / n, l1_rows.sum() / n
-    hits = (logits.argmax(-1) == target_logits.argmax(-1)).float()  # [N]
+    # max().indices, not argmax(): the same first-index tie rule, several times faster on a CPU over
+    # [N, 8192] (argmax was ~13 ms of a 0.5 s step per call, AMX Xeon)
+    hits = (logits.detach().max(-1).indices == target_logits.max(-1).indices).float()  # [N]
     metrics = {"kl": kl.item(), "smooth_l1": l1.item(), "top1": (hits.sum() / n).item(), "rows": n}
     if conversations is not None:
         index, count = conversations

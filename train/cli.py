@@ -53,6 +53,10 @@ def _add_recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="matmul dtype (bfloat16 = autocast; weights, loss and optimizer stay fp32); auto = bfloat16 "
                         "where it is measured faster on this machine (AMX-BF16 CPUs, GPUs), else float32")
+    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                   help="run MoA's LSA block through torch.compile in training steps (its fused elementwise work "
+                        "made a CPU step ~1.5x faster; the first step pays ~10-30 s of compiling); auto = on for a "
+                        "CPU with a C++ compiler, off on a GPU (not measured there)")
     p.add_argument("--seed", type=int, default=0, help="initialisation, data order and chunk draws")
     p.add_argument("--split-seed", type=int, default=0,
                    help="which ShareGPT conversations are held out; distill-data files must have left out the "
@@ -76,7 +80,7 @@ def _config(args, out: Path, **extra):
                        batch=args.batch, micro_batch=args.micro_batch, lr=args.lr, chunk_min=args.chunk[0],
                        chunk_max=args.chunk[1],
                        staircase=args.staircase, tli_norm=not args.no_tli_norm, kl_weight=args.kl_weight,
-                       train_vocab=args.train_vocab, dtype=args.dtype, seed=args.seed, split_seed=args.split_seed,
+                       train_vocab=args.train_vocab, dtype=args.dtype, compile=args.compile, seed=args.seed, split_seed=args.split_seed,
                        device=args.device, data=args.data, init=args.init, skip_tokens=args.skip_tokens, **extra)
 
 
@@ -85,7 +89,7 @@ def _add_train_parser(sub) -> None:
     _add_recipe_args(p)
     p.add_argument("--max-tokens", type=int, default=200_000, help="training tokens per epoch")
     p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--eval-every", type=int, default=50, help="optimizer steps between held-out evaluations")
+    p.add_argument("--eval-every", type=int, default=50, help="optimizer steps between held-out evaluations (0 = only when the run stops)")
     p.add_argument("--max-minutes", type=float, default=0.0,
                    help="stop cleanly after this many minutes of training (0 = no limit); time paused with "
                         "SIGTSTP (kill -TSTP, Ctrl-Z) does not count; a first SIGINT or SIGTERM (Ctrl-C, kill PID) also "
@@ -146,11 +150,12 @@ def cmd_train_bench(args) -> None:
 
     from splitspec.train.throughput import bench_throughput
 
-    ref, fast = bench_throughput(_config(args, Path("out/train-bench")), args.tokens)
+    runs = bench_throughput(_config(args, Path("out/train-bench")), args.tokens)
+    ref, fast = runs[:2]
     print(f"drafters: {', '.join(ref.drafters)}; {torch.get_num_threads()} threads; {args.device}")
-    print("| path | tokens | seconds | tokens/s per drafter |\n|---|---|---|---|")
-    for r in (ref, fast):
-        print(f"| {r.path} | {r.tokens} | {r.seconds:.1f} | {r.tokens_per_s:.0f} |")
+    print("| path | tokens | seconds | tokens/s per drafter | / reference |\n|---|---|---|---|---|")
+    for r in runs:
+        print(f"| {r.path} | {r.tokens} | {r.seconds:.1f} | {r.tokens_per_s:.0f} | {r.tokens_per_s / ref.tokens_per_s:.2f}x |")
     print(f"fast / reference: {fast.tokens_per_s / ref.tokens_per_s:.1f}x tokens/s per drafter")
 
 

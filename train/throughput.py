@@ -37,22 +37,23 @@ class Throughput:
         return self.tokens / self.seconds
 
 
-def _trainees(cfg: TrainConfig, jobs: list[DrafterJob], model) -> list[Trainee]:
+def _trainees(cfg: TrainConfig, jobs: list[DrafterJob], model, compile_lsa: bool = False) -> list[Trainee]:
     from splitspec.shared.drafters.target_parts import TargetParts
 
     out = []
     for job in jobs:
         torch.manual_seed(cfg.seed)
         drafter = build_drafter(job, model.config).to(cfg.device).train()
+        if compile_lsa and job.kind == "moa":
+            drafter.compile_lsa()
         opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95))
         out.append(Trainee(job, drafter, TargetParts(model, job.tli), TargetParts(model, job.tli), opt,
                            random.Random(cfg.seed), torch.Generator().manual_seed(cfg.seed), cfg.out))
     return out
 
 
-def reference_pass(cfg: TrainConfig, jobs: list[DrafterJob], model, examples: list[Example]) -> Throughput:
+def reference_pass(cfg: TrainConfig, trainees: list[Trainee], model, examples: list[Example]) -> Throughput:
     """The old trainer's inner loop: per drafter, per conversation, target forward + loss + backward."""
-    trainees = _trainees(cfg, jobs, model)
     tokens = sum(len(e.input_ids) for e in examples)
     tic = time.perf_counter()
     for t in trainees:
@@ -67,12 +68,11 @@ def reference_pass(cfg: TrainConfig, jobs: list[DrafterJob], model, examples: li
             t.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             t.optimizer.step()
-    return Throughput("reference", [j.name for j in jobs], tokens, time.perf_counter() - tic)
+    return Throughput("reference", [t.job.name for t in trainees], tokens, time.perf_counter() - tic)
 
 
-def fast_pass(cfg: TrainConfig, jobs: list[DrafterJob], model, examples: list[Example], vocab) -> Throughput:
+def fast_pass(cfg: TrainConfig, trainees: list[Trainee], model, examples: list[Example], vocab) -> Throughput:
     """The fast trainer's inner loop over `examples` in batches of cfg.batch."""
-    trainees = _trainees(cfg, jobs, model)
     autocast = torch.autocast(torch.device(cfg.device).type, dtype=torch.bfloat16,
                               enabled=cfg.dtype == "bfloat16")
     layer_inputs = tuple(sorted({t.parts.first_tli_layer for t in trainees if t.job.tli}))
@@ -91,11 +91,12 @@ def fast_pass(cfg: TrainConfig, jobs: list[DrafterJob], model, examples: list[Ex
             t.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             t.optimizer.step()
-    return Throughput("fast", [j.name for j in jobs], tokens, time.perf_counter() - tic)
+    return Throughput("fast", [t.job.name for t in trainees], tokens, time.perf_counter() - tic)
 
 
 def bench_throughput(cfg: TrainConfig, tokens: int, warmup: int = 2) -> list[Throughput]:
-    """Both paths on the same first `tokens` training tokens (after `warmup` examples)."""
+    """Both paths on the same first `tokens` training tokens (after `warmup` examples): [reference,
+    fast], plus the fast path with MoA's LSA left eager where `cfg.compile` is on."""
     from splitspec.shared.models import load_model
 
     model32, tokenizer, _ = load_model(cfg.target, device=cfg.device)
@@ -103,6 +104,16 @@ def bench_throughput(cfg: TrainConfig, tokens: int, warmup: int = 2) -> list[Thr
     examples, _ = load_examples(TrainConfig(**{**cfg.__dict__, "max_tokens": tokens}), tokenizer)
     jobs = cfg.jobs()
     vocab = _vocab_ids(cfg, tokenizer)
-    reference_pass(cfg, jobs, model32, examples[:warmup])
-    fast_pass(cfg, jobs, model16, examples[:warmup], vocab)
-    return [reference_pass(cfg, jobs, model32, examples), fast_pass(cfg, jobs, model16, examples, vocab)]
+    reference = _trainees(cfg, jobs, model32)
+    fast = _trainees(cfg, jobs, model16, compile_lsa=cfg.compile == "on")
+    # the warm-ups run on the trainees measured next, so that a compiled LSA is compiled before the clock
+    # starts (--compile on: a whole batch, so the padded chunk shape is the one the measurement uses)
+    reference_pass(cfg, reference, model32, examples[:warmup])
+    fast_pass(cfg, fast, model16, examples[:max(warmup, cfg.batch)], vocab)
+    runs = [reference_pass(cfg, reference, model32, examples), fast_pass(cfg, fast, model16, examples, vocab)]
+    if cfg.compile == "on" and any(j.kind == "moa" for j in jobs):  # what compiling is worth, side by side
+        eager = _trainees(cfg, jobs, model16)
+        fast_pass(cfg, eager, model16, examples[:warmup], vocab)
+        runs.append(fast_pass(cfg, eager, model16, examples, vocab))
+        runs[-1].path = "fast, LSA not compiled"
+    return runs

@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import random
 import shutil
 from dataclasses import asdict, dataclass, field, replace
@@ -127,7 +128,7 @@ class TrainConfig:
     lr: float = 5e-4
     warmup_steps: int = 20
     heldout: int = 16  # held-out conversations
-    eval_every: int = 50  # optimizer steps
+    eval_every: int = 50  # optimizer steps (0 = only when the run stops)
     eval_prompts: int = 4
     eval_new_tokens: int = 48
     chunk_min: int = 1  # MoA chunk lengths: distances 0 .. chunk_max - 1 from the last verified token
@@ -142,6 +143,7 @@ class TrainConfig:
     time_schedule: bool = False  # lr decay and staircase follow max_minutes too (whichever is further along)
     profile_steps: int = 0  # profile this many steps (after the first) into <out>/profile.txt (train/step_profile.py)
     cudnn_attention: bool = False  # CUDA: let SDPA pick cuDNN's attention (host-bound here: `attention_backends`)
+    compile: str = "off"  # on | off | auto (= on for a CPU with a C++ compiler): MoA's LSA through torch.compile
     seed: int = 0  # initialisation, data order, chunk draws
     split_seed: int = 0  # which ShareGPT conversations are held out (`sharegpt_split`); apart from `seed` so
     # that runs of any seed hold out the conversations the distilled data left out (`check_heldout`)
@@ -161,6 +163,12 @@ class TrainConfig:
             raise ValueError("against (a comparison of checkpoints) needs eval_only")
         if self.micro_batch < 0 or (self.micro_batch and self.batch % self.micro_batch):
             raise ValueError(f"micro_batch must divide batch ({self.batch}), got {self.micro_batch}")
+        if self.compile == "auto":
+            self.compile = "on" if can_compile(self.device) else "off"
+        if self.compile not in ("on", "off"):
+            raise ValueError(f"compile must be on, off or auto, got {self.compile!r}")
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
         if self.profile_steps < 0:
             raise ValueError(f"profile_steps must be >= 0, got {self.profile_steps}")
         if self.dtype not in ("bfloat16", "float32"):
@@ -250,6 +258,15 @@ def cached_examples(cfg: TrainConfig, tokenizer) -> tuple[list[Example], list[li
     torch.save({"key": key, "examples": [(e.input_ids, e.loss_mask) for e in examples], "held": held}, tmp)
     tmp.replace(path)
     return examples, held
+
+
+def can_compile(device: str) -> bool:
+    """Whether `--compile auto` turns torch.compile on: on a CPU with a C++ compiler (inductor
+    builds its kernels with one). Off elsewhere: on a GPU the MoA step was not measured compiled,
+    and its LSA runs in a few large passes there (`lsa_chunk`)."""
+    if torch.device(device).type != "cpu":
+        return False
+    return any(shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if c)
 
 
 def build_drafter(cfg: TrainConfig | DrafterJob, target_config):
@@ -521,7 +538,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
                 bar.set_postfix({name: f"{m['loss']:.2f}/{m['top1']:.2f}" for name, m in metrics.items()})
                 elapsed = start_s + clock.elapsed()
                 stopping = (bool(cfg.max_minutes) and elapsed >= 60 * cfg.max_minutes) or clock.stop_requested
-                if state["step"] % cfg.eval_every == 0 or state["step"] == total_steps or stopping:
+                if (cfg.eval_every and state["step"] % cfg.eval_every == 0) or state["step"] == total_steps or stopping:
                     state["elapsed_s"] = elapsed
                     for t in trainees:
                         record = {"step": state["step"], "tokens": state["tokens"],
@@ -555,6 +572,8 @@ def _init_drafter(cfg: TrainConfig, job: DrafterJob, target_config, identity: "T
     torch.manual_seed(cfg.seed)
     drafter = build_drafter(job, target_config).to(cfg.device).train()
     check_size(drafter)
+    if cfg.compile == "on" and job.kind == "moa":
+        drafter.compile_lsa()
     return (drafter, *initialise(cfg, job, drafter, identity))
 
 

@@ -120,12 +120,13 @@ class MoAConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def block_config(self, width: int, heads: int, kv_heads: int, intermediate: int, positions: int) -> LlamaConfig:
+    def block_config(self, width: int, heads: int, kv_heads: int, intermediate: int, positions: int,
+                     attention: str = "sdpa") -> LlamaConfig:
         config = LlamaConfig(hidden_size=width, num_attention_heads=heads, num_key_value_heads=kv_heads,
                              head_dim=width // heads, intermediate_size=intermediate, rms_norm_eps=self.rms_norm_eps,
                              max_position_embeddings=positions, num_hidden_layers=1, vocab_size=self.vocab_size,
                              rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta})
-        config._attn_implementation = "sdpa"
+        config._attn_implementation = attention
         return config
 
 
@@ -197,8 +198,12 @@ class MoADrafter(nn.Module):
         super().__init__()
         self.config = config
         width = config.kv_width
+        # LSA attends over L ~ 30 layers for thousands of tokens at once: plain matmul + softmax
+        # ("eager") beats CPU SDPA there, whose flash kernel takes a mask and tiles for long sequences
+        # (AMX Xeon, 2 threads, bf16: training fwd + bwd 973 -> 623 ms per 1,024 tokens; fp32 open
+        # of 64 / 400 positions 15 -> 9 / 89 -> 58 ms; docs/training.md, session 44)
         lsa_cfg = config.block_config(width, config.lsa_heads, config.lsa_kv_heads, config.lsa_intermediate_size,
-                                      config.target_layers)
+                                      config.target_layers, attention="eager")
         main_cfg = config.block_config(config.hidden_size, config.num_heads, config.num_kv_heads,
                                        config.intermediate_size, config.max_position_embeddings)
         self.lsa = LlamaDecoderLayer(lsa_cfg, layer_idx=0)
@@ -209,6 +214,18 @@ class MoADrafter(nn.Module):
         self.ca = CrossAttentionBlock(main_cfg)
         if config.lsa_pool == "learned":
             self.lsa_layer_logits = nn.Parameter(torch.zeros(config.target_layers))
+        self._lsa_compiled = None  # set by compile_lsa (training); a plain attribute, not a submodule
+
+    def compile_lsa(self) -> None:
+        """Run LSA's block through `torch.compile` where gradients are on (training steps).
+
+        The block's elementwise work (norms, rotary, SwiGLU, their backward) is most of a MoA training
+        step on a CPU; inductor fuses it. Every pass gets the same shape (the last chunk is padded
+        with zero rows, their outputs dropped), so the block compiles once per dtype. Passes without
+        gradients (held-out figures, drafting) stay eager. The first step pays the compile (~10-30 s
+        on a 2-core CPU). The weights are the module's own: checkpoints are unchanged.
+        """
+        self._lsa_compiled = torch.compile(self.lsa.forward, dynamic=False)  # a function: no new submodule
 
     def memory(self, layer_kv: torch.Tensor) -> torch.Tensor:
         """LSA over layers, pooling over layers (mean, or learned softmax weights), projection.
@@ -231,8 +248,16 @@ class MoADrafter(nn.Module):
             pool = lambda out: torch.einsum("nlw,l->nw", out, weights)  # noqa: E731
         else:
             pool = lambda out: out.mean(dim=1)  # noqa: E731
-        pooled = [pool(self.lsa(chunk, attention_mask=full, position_ids=positions, position_embeddings=rope))
-                  for chunk in layer_kv.split(lsa_chunk(layer_kv.device))]
+        size = lsa_chunk(layer_kv.device)
+        compiled = self._lsa_compiled if torch.is_grad_enabled() else None
+        block = compiled or self.lsa
+        pooled = []
+        for chunk in layer_kv.split(size):
+            rows = chunk.shape[0]
+            if compiled is not None and rows < size:  # one static shape for the compiled block
+                chunk = torch.cat([chunk, chunk.new_zeros(size - rows, *chunk.shape[1:])])
+            out = block(chunk, attention_mask=full, position_ids=positions, position_embeddings=rope)
+            pooled.append(pool(out[:rows]))
         return self.lsa_out(torch.cat(pooled) if len(pooled) > 1 else pooled[0])
 
     def memory_kv(self, memory: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
