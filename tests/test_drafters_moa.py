@@ -18,7 +18,6 @@ from splitspec.server.runner import TargetRunner
 from splitspec.shared.config import TreeConfig
 from splitspec.shared.drafters.checkpoint import (CheckpointMismatch, TargetIdentity, checkpoint_id,
                                                   load_checkpoint, save_checkpoint)
-from splitspec.shared.drafters.eagle import EagleConfig, EagleDrafter
 from splitspec.shared.drafters.moa import MoAConfig, MoADrafter
 from splitspec.shared.drafters.target_parts import TargetParts
 from splitspec.train.objectives import chunk_starts, moa_forward, run_target

@@ -41,7 +41,7 @@ from splitspec.shared.models import fastest_dtype
 from splitspec.shared.records import (AnswerRecord, accept_length, accept_length_interval, paired_interval,
                                       tau_difference)
 
-from .batched import (Batch, LossOptions, TargetBatch, batch_chunk_starts, bucketed_order, eagle_loss_batch,
+from .batched import (LossOptions, TargetBatch, batch_chunk_starts, bucketed_order, eagle_loss_batch,
                       falcon_loss_batch, make_batch, moa_loss_batch, run_target_batch, tli_scale,
                       tokenswift_loss_batch)
 from .clock import RunClock
