@@ -231,7 +231,8 @@ def _add_bench_parser(sub) -> None:
     p.add_argument("--spec-bench", default=None, help="path to Spec-Bench question.jsonl")
     p.add_argument("--lsa-placement", default="server", choices=["client", "server"],
                    help="MoA split default: server sends E values per token; client sends every layer's K/V")
-    p.add_argument("--feature-quant", default="fp16", choices=["fp16", "int8", "fp8"])
+    p.add_argument("--feature-quant", default="int8", choices=["fp16", "int8", "fp8"],
+                   help="features the server sends, where a method leaves ;quant= out")
     p.add_argument("--goal-profile", default="4g", help="profile the goal lines are checked under")
     p.add_argument("--out", default=None, help="write results.jsonl, table.md and PNG plots here")
     p.set_defaults(func=cmd_bench)

@@ -62,8 +62,9 @@ def add_client_args(p: argparse.ArgumentParser, chat: bool = False) -> None:
                         ";vocab= ;tree=DxBxN ;lookup=K override the flags below (shared/drafters/spec.py)")
     p.add_argument("--lsa-placement", default="client", choices=["client", "server"],
                    help="MoA: run Layer Self-Attention here (server sends all layers' K/V) or on the server")
-    p.add_argument("--feature-quant", default="fp16", choices=sorted(QUANTIZATIONS),
-                   help="quantization of the features the server sends")
+    p.add_argument("--feature-quant", default="int8", choices=sorted(QUANTIZATIONS),
+                   help="quantization of the features the server sends (int8: half fp16's bytes; the shipped moa's "
+                        "drafts came out identical on 28 Spec-Bench prompts, docs/benchmarks.md session 44)")
     p.add_argument("--draft-vocab", type=int, default=-1,
                    help="moa/eagle2/falcon/tokenswift: draft among the N most frequent tokens (FR-Spec); 0 = the full vocabulary; "
                         f"default: {DEFAULT_DRAFT_VOCAB} when the target has shipped token counts")

@@ -235,6 +235,11 @@ def test_method_options_and_config_errors():
     assert local.local_methods == ("moa;tree=3x2x6;vocab=0",)
     cfg = BenchConfig.from_args(parser.parse_args(["bench", "--profiles", "lan,4g", "--threads", "1"]))
     assert cfg.profiles == ("lan", "4g") and "--profiles lan,4g" in cfg.command()
+    # features travel int8 unless a method or the user says otherwise (half fp16's bytes, session 44)
+    assert cfg.feature_quant == DrafterSpec("moa").quant == "int8" == cfg.split_spec("moa").quant
+    assert cfg.split_spec("moa;quant=fp16").quant == "fp16"
+    client = build_parser().parse_args(["generate", "--prompt", "x"])
+    assert client.feature_quant == "int8"
     assert {"none", "ngram", "eagle2", "moa", "moa:tli=1"} <= set(cfg.methods) and cfg.local_methods == ("moa",)
     assert any(m.startswith("draft-model:") for m in cfg.methods)
     with pytest.raises(ValueError, match="backend"):
