@@ -18,10 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .batched import LossOptions, make_batch, run_target_batch
+from .batched import LossOptions, compile_target, make_batch, run_target_batch
 from .data import Example
 from .objectives import EAGLE_NOISE, chunk_starts, eagle_loss, moa_loss, run_target
-from .trainer import DrafterJob, TrainConfig, Trainee, _vocab_ids, build_drafter, load_examples, trainee_loss
+from .trainer import (DrafterJob, TrainConfig, Trainee, _vocab_ids, build_drafter, compiles_target, load_examples,
+                      trainee_loss)
 
 
 @dataclass
@@ -96,24 +97,28 @@ def fast_pass(cfg: TrainConfig, trainees: list[Trainee], model, examples: list[E
 
 def bench_throughput(cfg: TrainConfig, tokens: int, warmup: int = 2) -> list[Throughput]:
     """Both paths on the same first `tokens` training tokens (after `warmup` examples): [reference,
-    fast], plus the fast path with MoA's LSA left eager where `cfg.compile` is on."""
+    fast], plus the fast path with nothing compiled where `cfg.compile` is on."""
     from splitspec.shared.models import load_model
 
     model32, tokenizer, _ = load_model(cfg.target, device=cfg.device)
     model16 = load_model(cfg.target, device=cfg.device, dtype=cfg.dtype)[0] if cfg.dtype != "float32" else model32
+    fast_model = model16
+    if compiles_target(cfg):
+        fast_model = load_model(cfg.target, device=cfg.device, dtype=cfg.dtype, linear="torch")[0]
+        compile_target(fast_model)
     examples, _ = load_examples(TrainConfig(**{**cfg.__dict__, "max_tokens": tokens}), tokenizer)
     jobs = cfg.jobs()
     vocab = _vocab_ids(cfg, tokenizer)
     reference = _trainees(cfg, jobs, model32)
-    fast = _trainees(cfg, jobs, model16, compile_lsa=cfg.compile == "on")
-    # the warm-ups run on the trainees measured next, so that a compiled LSA is compiled before the clock
-    # starts (--compile on: a whole batch, so the padded chunk shape is the one the measurement uses)
+    fast = _trainees(cfg, jobs, fast_model, compile_lsa=cfg.compile == "on")
+    # the warm-ups run on the trainees measured next, so that what --compile compiles is compiled before
+    # the clock starts (a whole batch, so the padded LSA chunk is the shape the measurement uses)
     reference_pass(cfg, reference, model32, examples[:warmup])
-    fast_pass(cfg, fast, model16, examples[:max(warmup, cfg.batch)], vocab)
-    runs = [reference_pass(cfg, reference, model32, examples), fast_pass(cfg, fast, model16, examples, vocab)]
-    if cfg.compile == "on" and any(j.kind == "moa" for j in jobs):  # what compiling is worth, side by side
+    fast_pass(cfg, fast, fast_model, examples[:max(warmup, cfg.batch)], vocab)
+    runs = [reference_pass(cfg, reference, model32, examples), fast_pass(cfg, fast, fast_model, examples, vocab)]
+    if cfg.compile == "on":  # what compiling is worth, side by side
         eager = _trainees(cfg, jobs, model16)
         fast_pass(cfg, eager, model16, examples[:warmup], vocab)
         runs.append(fast_pass(cfg, eager, model16, examples, vocab))
-        runs[-1].path = "fast, LSA not compiled"
+        runs[-1].path = "fast, not compiled"
     return runs
