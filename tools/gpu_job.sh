@@ -32,6 +32,7 @@ DEVICE=${DEVICE:-cuda}; DISTILL_S=${DISTILL_S:-150}; DBATCH=${DBATCH:-384}; DLIM
 GPU_GIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
 BATCH=${BATCH:-$([ "${GPU_GIB:-0}" -gt 100000 ] 2>/dev/null && echo 128 || echo 64)}; LR=${LR:-1.5e-4}; STAIRCASE=${STAIRCASE:-0.0}; MAXLEN=${MAXLEN:-1024}; EVALP=${EVALP:-2}
 DRAFTERS=${DRAFTERS:-moa,eagle2}; INIT=${INIT:-.gpu-c/init}
+COMPILE=${COMPILE:-auto}  # train --compile: auto is off on a GPU; a CPU dry run sets off (its compile outlasts 0.3 min)
 R=${R:-/tmp/run}; mkdir -p "$R" "$OUT"
 log() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/job.log"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv >> "$OUT/job.log" 2>&1
@@ -57,6 +58,7 @@ DATA=$(ls .gpu-b/data/*.jsonl.xz .gpu-c/data/*.jsonl.xz 2>/dev/null | grep -v "/
 train() {  # $1 dtype, $2 minutes, $3 run folder
   timeout $(python3 -c "print(int($2 * 60 + 150))") splitspec train --drafter "$DRAFTERS" --device "$DEVICE" \
     --dtype "$1" --init "$INIT" --data "$DATA" --max-len "$MAXLEN" --batch "$BATCH" --lr "$LR" --staircase "$STAIRCASE" \
+    --compile "$COMPILE" \
     --epochs 200 --max-tokens 100000000 --max-minutes "$2" --time-schedule --eval-every 1000000 \
     --eval-prompts "$EVALP" --heldout 16 --profile-steps 3 --out "$3" > "$3.log" 2>&1
 }
