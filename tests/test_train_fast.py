@@ -425,16 +425,22 @@ def test_compiled_target_gives_the_targets_activations(stories_path, examples):
     if not can_compile("cpu"):
         pytest.skip("no C++ compiler for inductor")
     model = load_model(str(stories_path), linear="torch")[0]
-    batches = [make_batch(examples), make_batch(examples[1:])]
+    batches = [make_batch(examples), make_batch(examples[1:]), make_batch(examples[2:])]  # 3, 2 and 1 rows
     eager = [run_target_batch(model, b, (1,)) for b in batches]
+    from torch._dynamo.utils import counters
+
     compile_target(model)
-    for b, e in zip(batches, eager):
+    for i, (b, e) in enumerate(zip(batches, eager)):
+        if i == 2:
+            compiled = counters["stats"]["unique_graphs"]
         c = run_target_batch(model, b, (1,))
+        assert c.final.shape == e.final.shape and c.keys[0].shape == e.keys[0].shape
         torch.testing.assert_close(c.logits, e.logits, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(c.final, e.final, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(c.layer_inputs[1], e.layer_inputs[1], rtol=1e-4, atol=1e-4)
         for k1, k2 in zip(c.keys + c.values, e.keys + e.values):
             torch.testing.assert_close(k1, k2, rtol=1e-4, atol=1e-4)
+    assert counters["stats"]["unique_graphs"] == compiled  # the one-row batch compiled nothing new
 
 
 def test_compile_on_compiles_moas_lsa_only(stories, monkeypatch):

@@ -112,9 +112,15 @@ def compile_target(model) -> None:
     and length) for `run_target_batch`; the layers stay the module's own, so TLI's use of the last
     layers is unchanged. For a model with transformers' own `nn.Linear` (`load_model(linear="torch")`):
     dynamo cannot trace the prepacked oneDNN linears. Measured on this project's AMX CPU in bf16 over
-    4 x ~300-token batches: the forward 1.3x faster, after ~60 s of compiling in the first batch."""
+    4 x ~300-token batches: the forward 1.3x faster, after ~60 s of compiling in the first batch.
+    A batch of one conversation (an epoch's last) would compile it again (dynamo specialises sizes
+    of 1), so `run_target_batch` runs such a batch twice over instead (`COMPILED_MIN_BATCH`)."""
     decoder = model.get_decoder()
     decoder.forward = torch.compile(decoder.forward, dynamic=True)
+    decoder.splitspec_min_batch = COMPILED_MIN_BATCH
+
+
+COMPILED_MIN_BATCH = 2  # smallest batch a compiled target decoder sees (see compile_target)
 
 
 @torch.no_grad()
@@ -123,14 +129,18 @@ def run_target_batch(model, batch: Batch, layer_inputs: tuple[int, ...] = (),
     """One target forward over the batch, keeping every layer's K/V, the final state, the inputs
     of `layer_inputs` and logits [N, V'] at trained positions only."""
     cache = DynamicCache(config=model.config)
-    out = model.get_decoder()(input_ids=batch.input_ids, cache=cache, use_cache=True,
-                              output_hidden_states=True)
-    final = out.last_hidden_state  # [B, T, E], after the final norm
+    decoder = model.get_decoder()
+    B = batch.input_ids.shape[0]
+    ids = batch.input_ids
+    if B < getattr(decoder, "splitspec_min_batch", 1):  # a compiled decoder: pad with copies, drop them after
+        ids = ids.repeat(-(-decoder.splitspec_min_batch // B), 1)
+    out = decoder(input_ids=ids, cache=cache, use_cache=True, output_hidden_states=True)
+    final = out.last_hidden_state[:B]  # [B, T, E], after the final norm
     rows = batch.trained.flatten().nonzero().flatten()
     weight, bias = head_weight(model.get_output_embeddings(), vocab)
     logits = F.linear(final.flatten(0, 1)[rows], weight, bias).float()
-    return TargetBatch(batch, rows, logits, final, {l: out.hidden_states[l] for l in layer_inputs},
-                       [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers])
+    return TargetBatch(batch, rows, logits, final, {l: out.hidden_states[l][:B] for l in layer_inputs},
+                       [layer.keys[:B] for layer in cache.layers], [layer.values[:B] for layer in cache.layers])
 
 
 def stack_layer_kv_batch(keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
