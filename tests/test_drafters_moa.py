@@ -217,6 +217,18 @@ def test_lsa_attention_is_eager_and_equals_sdpa(stories):
         torch.testing.assert_close(eager, drafter.memory(layer_kv), rtol=1e-4, atol=1e-5)
 
 
+def _memory_and_grads(drafter: MoADrafter, layer_kv: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """(memory, the gradients of the parameters its backward reaches: LSA's block and projection);
+    the drafter's gradients are zeroed after."""
+    memory = drafter.memory(layer_kv)
+    memory.square().sum().backward()
+    used = [p for p in drafter.parameters() if p.grad is not None]
+    grads = [p.grad.clone() for p in used]
+    drafter.zero_grad()
+    assert len(used) > 10
+    return memory, grads
+
+
 def test_compiled_lsa_pads_chunks_and_runs_only_with_gradients(stories, monkeypatch):
     """compile_lsa: passes with gradients go through the compiled block, every one at the chunk's
     full size (the last one padded with zero rows, dropped after), with the memory and the gradients
@@ -231,11 +243,7 @@ def test_compiled_lsa_pads_chunks_and_runs_only_with_gradients(stories, monkeypa
     drafter = MoADrafter(MoAConfig.from_target(model.config)).train()
     keys = list(drafter.state_dict())
     layer_kv = torch.randn(10, model.config.num_hidden_layers, drafter.config.kv_width)
-    eager = drafter.memory(layer_kv)
-    eager.square().sum().backward()
-    used = [p for p in drafter.parameters() if p.grad is not None]  # LSA's block and projection
-    eager_grads = [p.grad.clone() for p in used]
-    drafter.zero_grad()
+    eager, eager_grads = _memory_and_grads(drafter, layer_kv)
     drafter.compile_lsa()
     assert list(drafter.state_dict()) == keys
     shapes = []
@@ -245,13 +253,11 @@ def test_compiled_lsa_pads_chunks_and_runs_only_with_gradients(stories, monkeypa
         return drafter.lsa(chunk, **kwargs)
 
     drafter._lsa_compiled = recording
-    compiled = drafter.memory(layer_kv)
-    compiled.square().sum().backward()
+    compiled, grads = _memory_and_grads(drafter, layer_kv)
     assert shapes == [4, 4, 4]
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
-    assert len(used) > 10
-    for p, g in zip(used, eager_grads):
-        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6)
+    for g, e in zip(grads, eager_grads):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
     with torch.no_grad():
         torch.testing.assert_close(drafter.memory(layer_kv), eager.detach(), rtol=1e-5, atol=1e-6)
     assert shapes == [4, 4, 4]
@@ -269,18 +275,12 @@ def test_compiled_lsa_equals_eager(stories):
     torch.manual_seed(8)
     drafter = MoADrafter(MoAConfig.from_target(model.config)).train()
     layer_kv = torch.randn(70, model.config.num_hidden_layers, drafter.config.kv_width)
-    eager = drafter.memory(layer_kv)
-    eager.square().sum().backward()
-    used = [p for p in drafter.parameters() if p.grad is not None]  # LSA's block and projection
-    eager_grads = [p.grad.clone() for p in used]
-    drafter.zero_grad()
+    eager, eager_grads = _memory_and_grads(drafter, layer_kv)
     drafter.compile_lsa()
-    compiled = drafter.memory(layer_kv)
-    compiled.square().sum().backward()
+    compiled, grads = _memory_and_grads(drafter, layer_kv)
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
-    assert len(used) > 10
-    for p, g in zip(used, eager_grads):
-        torch.testing.assert_close(p.grad, g, rtol=1e-3, atol=1e-5)
+    for g, e in zip(grads, eager_grads):
+        torch.testing.assert_close(g, e, rtol=1e-3, atol=1e-5)
 
 
 def test_lsa_chunks_are_small_on_a_cpu_only(stories, monkeypatch):
