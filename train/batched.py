@@ -10,7 +10,10 @@ What makes it fast, against the per-conversation reference in `objectives.py`:
   (the FR-Spec draft vocabulary the drafter drafts from at run time; the target's probabilities are
   renormalised over it);
 - matmuls run in bf16 under autocast where the caller enables it (AMX-BF16 on this CPU, tensor
-  cores on a GPU), while the drafter's weights, the loss and the optimizer state stay fp32.
+  cores on a GPU), while the drafter's weights, the loss and the optimizer state stay fp32;
+- with `--compile` on, MoA's LSA block (`MoADrafter.compile_lsa`) and, in bf16, the target's forward
+  (`compile_target`) run through torch.compile, which fuses the elementwise work that dominated a
+  CPU step (docs/training.md, "Measuring training throughput").
 
 With every option at its reference value (full vocabulary, fully causal SA, raw TLI targets, fp32)
 the losses equal the reference path's token-weighted mean (tested).

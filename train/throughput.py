@@ -5,7 +5,8 @@ side in one process on the same conversations.
   re-run for every drafter, the LM head over the full vocabulary at every trained position;
 - fast (train/batched.py): length-bucketed batches, one target pass shared by every drafter,
   bf16 autocast matmuls (fp32 weights, loss and optimizer), the LM head over the training
-  vocabulary.
+  vocabulary, and with `--compile` on MoA's LSA and the bf16 target compiled (then the fast path
+  with nothing compiled is measured too, as a third row).
 
 Reported per drafter: training tokens per second (a drafter "sees" a token when it takes a
 gradient step on it; drafters trained together share the wall time), and the ratio.
