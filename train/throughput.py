@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .batched import LossOptions, compile_target, make_batch, run_target_batch
+from .batched import LossOptions, make_batch, run_target_batch
 from .data import Example
 from .objectives import EAGLE_NOISE, chunk_starts, eagle_loss, moa_loss, run_target
 from .trainer import (DrafterJob, TrainConfig, Trainee, _vocab_ids, build_drafter, compiles_target, load_examples,
-                      trainee_loss)
+                      load_training_target, trainee_loss)
 
 
 @dataclass
@@ -45,9 +45,7 @@ def _trainees(cfg: TrainConfig, jobs: list[DrafterJob], model, compile_lsa: bool
     out = []
     for job in jobs:
         torch.manual_seed(cfg.seed)
-        drafter = build_drafter(job, model.config).to(cfg.device).train()
-        if compile_lsa and job.kind == "moa":
-            drafter.compile_lsa()
+        drafter = build_drafter(job, model.config, compile_lsa).to(cfg.device).train()
         opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95))
         out.append(Trainee(job, drafter, TargetParts(model, job.tli), TargetParts(model, job.tli), opt,
                            random.Random(cfg.seed), torch.Generator().manual_seed(cfg.seed), cfg.out))
@@ -103,10 +101,7 @@ def bench_throughput(cfg: TrainConfig, tokens: int, warmup: int = 2) -> list[Thr
 
     model32, tokenizer, _ = load_model(cfg.target, device=cfg.device)
     model16 = load_model(cfg.target, device=cfg.device, dtype=cfg.dtype)[0] if cfg.dtype != "float32" else model32
-    fast_model = model16
-    if compiles_target(cfg):
-        fast_model = load_model(cfg.target, device=cfg.device, dtype=cfg.dtype, linear="torch")[0]
-        compile_target(fast_model)
+    fast_model = load_training_target(cfg) if compiles_target(cfg) else model16
     examples, _ = load_examples(TrainConfig(**{**cfg.__dict__, "max_tokens": tokens}), tokenizer)
     jobs = cfg.jobs()
     vocab = _vocab_ids(cfg, tokenizer)

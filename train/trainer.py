@@ -276,10 +276,28 @@ def compiles_target(cfg: TrainConfig) -> bool:
     return cfg.compile == "on" and cfg.dtype == "bfloat16"
 
 
-def build_drafter(cfg: TrainConfig | DrafterJob, target_config):
+def load_training_target(cfg: TrainConfig):
+    """The target the training steps run on `cfg.device` in `cfg.dtype`: where `compiles_target`, a
+    copy with transformers' own linears (dynamo cannot trace the prepacked oneDNN ones) whose decoder
+    runs compiled (`compile_target`)."""
+    from splitspec.shared.models import load_model
+
+    if not compiles_target(cfg):
+        return load_model(cfg.target, device=cfg.device, dtype=cfg.dtype)[0]
+    model = load_model(cfg.target, device=cfg.device, dtype=cfg.dtype, linear="torch")[0]
+    compile_target(model)
+    return model
+
+
+def build_drafter(cfg: TrainConfig | DrafterJob, target_config, compile_lsa: bool = False):
+    """A new drafter for `cfg`'s (first) job; with `compile_lsa`, a MoA's LSA runs compiled in
+    training steps (`MoADrafter.compile_lsa`)."""
     job = cfg if isinstance(cfg, DrafterJob) else cfg.jobs()[0]
     if job.kind == "moa":
-        return MoADrafter(MoAConfig.from_target(target_config, tli=job.tli, lsa_pool=job.lsa_pool))
+        drafter = MoADrafter(MoAConfig.from_target(target_config, tli=job.tli, lsa_pool=job.lsa_pool))
+        if compile_lsa:
+            drafter.compile_lsa()
+        return drafter
     if job.kind == "falcon":
         return FalconDrafter(FalconConfig.from_target(target_config))
     if job.kind == "tokenswift":
@@ -454,11 +472,8 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
     # held-out figures are measured as at run time: the fp32 target on the CPU
     eval_model, tokenizer, model_id = load_model(cfg.target, device="cpu")
     train_model = eval_model
-    if compiles_target(cfg) and not cfg.eval_only:
-        train_model = load_model(cfg.target, device=cfg.device, dtype=cfg.dtype, linear="torch")[0]
-        compile_target(train_model)
-    elif (cfg.dtype != "float32" or cfg.device != "cpu") and not cfg.eval_only:
-        train_model = load_model(cfg.target, device=cfg.device, dtype=cfg.dtype)[0]
+    if (cfg.dtype != "float32" or cfg.device != "cpu") and not cfg.eval_only:
+        train_model = load_training_target(cfg)
     vocab = _vocab_ids(cfg, tokenizer)
     identity = TargetIdentity.of(eval_model, tokenizer, model_id)
     trainees = []
@@ -580,10 +595,8 @@ def _init_drafter(cfg: TrainConfig, job: DrafterJob, target_config, identity: "T
     """A new drafter for `job` (seeded, so each starts as it would alone), checked against the size
     limit and loaded from `cfg.init` where it names a checkpoint: (drafter, *`initialise`)."""
     torch.manual_seed(cfg.seed)
-    drafter = build_drafter(job, target_config).to(cfg.device).train()
+    drafter = build_drafter(job, target_config, compile_lsa=cfg.compile == "on").to(cfg.device).train()
     check_size(drafter)
-    if cfg.compile == "on" and job.kind == "moa":
-        drafter.compile_lsa()
     return (drafter, *initialise(cfg, job, drafter, identity))
 
 
