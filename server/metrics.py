@@ -15,6 +15,7 @@ Metrics hold counts, sizes and times only: never token ids, text or session ids.
 """
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -70,6 +71,21 @@ class ServiceMetrics:
     def forward(self, steps: int) -> None:
         """Record one target forward that scored `steps` Verify steps (1 = unbatched)."""
         self.batch_size.observe(steps)
+
+    def batch_size_counts(self) -> collections.Counter[int]:
+        """Target forwards by Verify steps scored, read back from the `splitspec_forward_batch_size`
+        histogram: {steps: forwards}. Exact for 1-16 steps (one bucket each); a larger batch counts
+        under its bucket's upper bound (24, 32 or 64)."""
+        counts: collections.Counter[int] = collections.Counter()
+        below = 0.0
+        for bound in BATCH_SIZE_BUCKETS:
+            cumulative = self.registry.get_sample_value("splitspec_forward_batch_size_bucket", {"le": f"{float(bound)}"})
+            if cumulative is None:  # the histogram was never observed in this registry
+                return counts
+            if cumulative > below:
+                counts[bound] = int(cumulative - below)
+            below = cumulative
+        return counts
 
     def serve_http(self, port: int, host: str = "127.0.0.1") -> int:
         """Export /metrics over HTTP on host:port (port 0 picks a free one); returns the port.

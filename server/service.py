@@ -23,7 +23,6 @@ one OpenMP pool per process, or every small kernel of a step pays a wake-up (tha
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import ipaddress
 import logging
@@ -207,7 +206,6 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         self._idle.set()
         self._waiting: list[_Step] = []  # Verify steps not yet taken by a worker job
         self._waiting_lock = threading.Condition()  # guards _waiting; notified when a step joins it
-        self.batch_sizes: collections.Counter[int] = collections.Counter()  # steps per model forward
 
     async def _run(self, fn, *args, reserved: int = 0):
         """Run model work on the worker; returns (result, perf_counter time the work started).
@@ -456,7 +454,6 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                 outs = self.runner.verify_batch(steps)
             except Exception:  # the batched forward failed before any cache changed: score each alone
                 log.warning("a batched forward of %d steps failed; scoring them one by one", len(ready))
-        self.batch_sizes[len(ready)] += 1
         self.metrics.forward(len(ready))
         for item, out in zip(ready, outs):
             try:

@@ -203,9 +203,9 @@ def test_the_service_batches_concurrent_sessions_and_stays_exact(stories, serve,
         t.join(120)
     assert outputs == {i: refs[i] for i in range(len(prompts))}
     if ragged or copy_bound is None:
-        assert max(server.servicer.batch_sizes) >= len(prompts) - 1, server.servicer.batch_sizes
+        assert max(_forwards(server)) >= len(prompts) - 1, _forwards(server)
     else:
-        assert set(server.servicer.batch_sizes) == {1}, server.servicer.batch_sizes
+        assert set(_forwards(server)) == {1}, _forwards(server)
 
 
 def test_serve_bench_drives_concurrent_clients(stories, serve, stories_path, tmp_path):
@@ -392,6 +392,13 @@ def test_serve_bench_reads_steps_per_forward_from_the_servers_metrics():
         metrics.stop_http()
 
 
+def _forwards(server, before=None) -> dict[int, int]:
+    """{steps scored: target forwards} since `before` (a `batch_size_counts()` snapshot), read from
+    the service's Prometheus histogram as an operator would."""
+    now = server.servicer.metrics.batch_size_counts()
+    return dict(now - before) if before is not None else dict(now)
+
+
 def _window_service(stories, serve, window_ms: float):
     """(stub, fingerprint, server) of a service with max_batch 8 and this batching window."""
     import grpc
@@ -447,18 +454,18 @@ def test_the_batching_window_waits_for_the_sessions_due_inside_it(stories, serve
     stub, fingerprint, server = _window_service(stories, serve, window_ms=3000)
     a, b, c = _opened(stub, fingerprint, 3)
     _warm(stub, server, [a, b, c])
-    server.servicer.batch_sizes.clear()
+    before = server.servicer.metrics.batch_size_counts()
     times: list[float] = []
     first = threading.Thread(target=lambda: times.append(_step(stub, a, 3)))
     first.start()
     time.sleep(0.3)  # the worker is holding a's step, waiting for b's and c's
-    assert server.servicer.batch_sizes == {}
+    assert _forwards(server, before) == {}
     others = [threading.Thread(target=_step, args=(stub, s, 3)) for s in (b, c)]
     for t in others:
         t.start()
     for t in [first, *others]:
         t.join(30)
-    assert server.servicer.batch_sizes == {3: 1}, server.servicer.batch_sizes
+    assert _forwards(server, before) == {3: 1}, _forwards(server, before)
     assert 0.3 <= times[0] < 3.0  # it waited for them, and stopped waiting once they came
 
 
@@ -475,9 +482,9 @@ def test_a_step_does_not_wait_for_sessions_it_could_not_gather(stories, serve, m
     _warm(stub, server, sessions, gap_s=0.6 if case == "slow clients" else 0.0)
     if case == "idle":
         time.sleep(0.6)
-    server.servicer.batch_sizes.clear()
+    before = server.servicer.metrics.batch_size_counts()
     assert _step(stub, sessions[0], 3) < (0.25 if case == "slow clients" else 1.0)  # the window: 0.3 / 3 s
-    assert server.servicer.batch_sizes == {1: 1}
+    assert _forwards(server, before) == {1: 1}
 
 
 def test_serve_flags_set_the_batching_window():

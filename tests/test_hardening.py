@@ -654,6 +654,16 @@ def test_prometheus_metrics(spied, serve):
         metrics.stop_http()
 
 
+def test_batch_size_counts_read_the_histogram_back():
+    """`batch_size_counts` gives {steps: forwards} from the histogram alone: exact up to 16 steps,
+    a larger batch under its bucket's bound; a fresh registry reads empty."""
+    metrics = ServiceMetrics()
+    assert metrics.batch_size_counts() == {}
+    for steps in (1, 1, 3, 16, 20):
+        metrics.forward(steps)
+    assert metrics.batch_size_counts() == {1: 2, 3: 1, 16: 1, 24: 1}
+
+
 def test_logs_hold_no_payload(spied, serve, caplog, capfd):
     """Over a session whose prompt carries a marker, plus refusals and a failing model call, the
     logs hold neither the marker text nor the prompt's token ids nor the auth token."""
