@@ -13,7 +13,9 @@ Parameter, so tied weights, `state_dict` and code that reads `.weight` are uncha
 prepacked copy beside the weight (memory: one more copy of the linear weights). Its forward takes
 the prepacked path only where that computes the same function: CPU input of the weight's dtype, no
 autograd through the layer, no autocast; a weight changed since it was packed (in place, or
-replaced by `.to(dtype)`) is packed again first. Everywhere else it is `nn.Linear.forward`.
+replaced by `.to(dtype)`) is packed again first, unless this CPU's oneDNN cannot pack the new
+dtype (`onednn_supports`: bf16 on an AVX2-only CPU), where the layer runs `F.linear`. Everywhere
+else it is `nn.Linear.forward`.
 
 Rounding: oneDNN sums in another order than MKL, so logits differ in the last bits (4e-5 to 8e-5 on
 SmolLM2-135M fp32). Lossless decoding compares a verifier with the same model's own decoding, so
@@ -41,6 +43,25 @@ def onednn_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+_DTYPE_SUPPORT: dict[torch.dtype, bool] = {}
+
+
+def onednn_supports(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN can prepack a linear weight of `dtype`, probed once per dtype and
+    process. bf16 needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: on an AVX2-only CPU (most laptops;
+    the project's session-45 EPYC) the reorder raises, and bf16 layers stay on `F.linear`."""
+    if dtype not in _DTYPE_SUPPORT:
+        supported = onednn_available()
+        if supported:
+            try:
+                with torch.no_grad():
+                    torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), _BATCH_HINT)
+            except RuntimeError:
+                supported = False
+        _DTYPE_SUPPORT[dtype] = supported
+    return _DTYPE_SUPPORT[dtype]
+
+
 class PackedLinear(nn.Linear):
     """`nn.Linear` plus a oneDNN-prepacked copy of its weight for CPU inference (see module doc).
 
@@ -52,9 +73,12 @@ class PackedLinear(nn.Linear):
 
     @classmethod
     def convert(cls, linear: nn.Linear) -> "PackedLinear":
-        """Make `linear` a PackedLinear in place (its class changes; its parameters stay)."""
+        """Make `linear` a PackedLinear in place (its class changes; its parameters stay). Where this
+        CPU cannot pack the weight's dtype (`onednn_supports`) it stays unpacked and runs `F.linear`."""
         linear.__class__ = cls
-        linear._pack()
+        linear._packed, linear._packed_key = None, None
+        if onednn_supports(linear.weight.dtype):
+            linear._pack()
         return linear
 
     def __getstate__(self) -> dict:
@@ -85,8 +109,10 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._usable(x):
             return F.linear(x, self.weight, self.bias)
-        if self._packed_key != self._weight_key():
-            self._pack()  # changed in place, or replaced by `.to(dtype)` / `load_state_dict`
+        if self._packed_key != self._weight_key():  # changed in place, or replaced by `.to(dtype)` / `load_state_dict`
+            if not onednn_supports(self.weight.dtype):  # e.g. bf16 on an AVX2-only CPU: the same function via torch
+                return F.linear(x, self.weight, self.bias)
+            self._pack()
         shape = x.shape
         out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self._packed, self.bias, "none", [], "")
         return out.view(*shape[:-1], self.out_features)
@@ -137,6 +163,8 @@ def _unusable(linears: list[nn.Linear]) -> str | None:
         if linear.weight.is_inference():  # no version counter: a later in-place change could not be seen
             return "a weight created under torch.inference_mode (load the model outside it)"
     probe = linears[0]
+    if not onednn_supports(probe.weight.dtype):
+        return f"this CPU's oneDNN cannot prepack {probe.weight.dtype} weights (bf16 needs AVX-512 or AVX-NE-CONVERT)"
     try:
         with torch.no_grad():
             x = torch.randn(3, probe.in_features, generator=torch.Generator().manual_seed(0)).to(probe.weight.dtype)

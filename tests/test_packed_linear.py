@@ -11,7 +11,8 @@ from torch import nn
 from splitspec.client.loop import SpeculativeDecoder
 from splitspec.server.local import LocalVerifier
 from splitspec.server.runner import TargetRunner
-from splitspec.shared.packed_linear import PackedLinear, onednn_available, pack_linears
+from splitspec.shared import packed_linear
+from splitspec.shared.packed_linear import PackedLinear, onednn_available, onednn_supports, pack_linears
 
 from .helpers import OracleDrafter, reference_greedy
 from .test_model_families import VOCAB, _model
@@ -31,6 +32,11 @@ def test_packed_forward_is_the_linear_function(dtype, tol, bias, shape):
     linear = _linear(dtype, bias)
     x = torch.randn(shape).to(dtype)
     want = F.linear(x, linear.weight, linear.bias)
+    if not onednn_supports(dtype):  # bf16 on an AVX2-only CPU: a clear refusal, and "auto" leaves the layer
+        with pytest.raises(RuntimeError, match="cannot prepack"):
+            pack_linears(linear, "onednn")
+        assert pack_linears(linear) == 0 and type(linear) is nn.Linear
+        return
     assert pack_linears(linear, "onednn") == 1 and isinstance(linear, PackedLinear)
     with torch.inference_mode():
         got = linear(x)
@@ -69,6 +75,24 @@ def test_a_weight_replaced_by_a_dtype_change_is_repacked():
     with torch.no_grad():
         got = head(x)
     torch.testing.assert_close(got.float(), F.linear(x, head.weight).float(), rtol=3e-2, atol=3e-2)
+    assert (head._packed_key[1] == torch.bfloat16) == onednn_supports(torch.bfloat16)
+
+
+def test_a_dtype_this_cpu_cannot_pack_runs_through_torch(monkeypatch):
+    """A packed fp32 model turned bf16 where oneDNN cannot pack bf16 (an AVX2-only CPU; simulated
+    here) computes F.linear instead of failing in the forward, and keeps its fp32 packing unused."""
+    monkeypatch.setitem(packed_linear._DTYPE_SUPPORT, torch.bfloat16, False)
+    model = _model("qwen2")
+    pack_linears(model, "onednn")
+    head = model.lm_head
+    key = head._packed_key
+    model.to(torch.bfloat16)
+    x = torch.randn(2, 3, model.config.hidden_size).to(torch.bfloat16)
+    with torch.no_grad():
+        got = head(x)
+    assert torch.equal(got, F.linear(x, head.weight)) and head._packed_key == key
+    with pytest.raises(RuntimeError, match="cannot prepack"):
+        pack_linears(_linear(torch.bfloat16), "onednn")
 
 
 def test_a_copied_packed_module_packs_its_own_weight():
