@@ -42,7 +42,7 @@ from splitspec.server.runner import TargetRunner
 from splitspec.shared import kv
 from splitspec.shared.features import FeatureRequest
 from splitspec.shared.models import encode_chat, load_model, use_cudnn_attention
-from splitspec.shared.packed_linear import onednn_available
+from splitspec.shared.packed_linear import onednn_available, onednn_supports
 from splitspec.shared.reference import target_greedy
 from splitspec.shared.sampling import SamplingParams
 from splitspec.shared.tree import DraftTree, tree_buffers
@@ -267,6 +267,10 @@ def cmd_verify_cost(args) -> None:
     variants, tokenizer, model_id = {}, None, args.target
     for dtype in ("float32", "bfloat16"):
         for linear in linears:
+            if linear == "onednn" and not randomised and not onednn_supports(getattr(torch, dtype)):
+                print(f"verify-cost: this CPU's oneDNN cannot prepack {dtype} weights (AVX2 only); "
+                      f"{dtype} is measured with torch's linear alone", file=sys.stderr)
+                continue
             if randomised:
                 variants[(dtype, linear)] = random_model(args.target[len(RANDOM):], dtype, device)
                 model_id = f"{args.target} (random weights)"

@@ -163,3 +163,35 @@ def test_break_even_steps_of_a_capture():
 
     assert break_even_steps(first=55.0, replayed=5.0, eager=15.0) == pytest.approx(5.0)
     assert break_even_steps(first=55.0, replayed=15.0, eager=15.0) == math.inf
+
+
+def test_verify_cost_skips_a_dtype_this_cpu_cannot_prepack(monkeypatch, capsys):
+    """On an AVX2-only CPU oneDNN cannot prepack bf16 weights and `load_model(linear="onednn")`
+    refuses them; the default `--linear torch,onednn` then measures bf16 with torch's linear alone
+    instead of stopping (session 46's EPYC stopped there before measuring anything)."""
+    import argparse
+
+    from splitspec.bench import verify_cost_bench
+    from splitspec.bench.verify_cost_bench import random_model
+    from splitspec.shared.packed_linear import pack_linears
+
+    def load_model(name, *, device="cpu", dtype="float32", linear="auto"):
+        if linear == "onednn" and dtype == "bfloat16":  # what the real one does on such a CPU
+            raise ValueError("this CPU's oneDNN cannot prepack torch.bfloat16 weights")
+        model = random_model("llama-tiny", dtype, device)
+        if linear == "onednn":
+            pack_linears(model, "onednn")
+        return model, None, name
+
+    monkeypatch.setattr(verify_cost_bench, "load_model", load_model)
+    monkeypatch.setattr(verify_cost_bench, "onednn_supports", lambda dtype: dtype != torch.bfloat16)
+    args = argparse.Namespace(target="tiny", device="cpu", context=16, repeats=2, threads=1, prompts=0,
+                              linear="torch,onednn", new_tokens=4, spec_bench=None, compile=False,
+                              batches=[], batch_nodes=4, cuda_graphs=False)
+    verify_cost_bench.cmd_verify_cost(args)
+    captured = capsys.readouterr()
+    rows = [line.split("|")[1:3] for line in captured.out.splitlines() if line.startswith("| float32 |")
+            or line.startswith("| bfloat16 |")]
+    assert [[c.strip() for c in row] for row in rows] == [["float32", "torch"], ["float32", "onednn"],
+                                                          ["bfloat16", "torch"]]
+    assert "cannot prepack bfloat16 weights" in captured.err
