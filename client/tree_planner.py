@@ -28,7 +28,8 @@ learnt from the drafter's own nodes only: a token accepted through a lookup node
 a wider tree's, and crediting it to the drafter's lower-ranked children would make wide trees look
 better than they are. The planner picks the (D, B, N) of a grid that maximises E[tokens] / cost, or
 no tree at all (one token per call, no drafting) when even the smallest tree costs more than it
-returns. Every choice is a valid tree for the same drafter, so decoding stays lossless whatever is
+returns; after `probe_every` such steps in a row it sends the best tree once anyway, since steps
+without a tree measure neither acceptance nor tree costs, and the cost fits weight recent steps more. Every choice is a valid tree for the same drafter, so decoding stays lossless whatever is
 chosen. When the link changes (4g -> lan), the EWMA of its cost follows within a few calls and so
 does the choice.
 """
@@ -62,6 +63,13 @@ class PlannerConfig:
     verify_slope_prior: prior verify cost per extra position, as a share of the one-position
         time (0.15: 5 positions ~1.6x one on the project's CPU, docs/benchmarks.md "Cost model").
     draft_slope_prior: prior drafting ms per level, as a share of the one-position verify time.
+    window, half_life: the cost fits keep the last `window` steps, each weighted by half per
+        `half_life` newer steps, so a slow spell (another answer's long context, a busy machine)
+        stops steering the choice within a few dozen steps.
+    probe_every: after this many steps in a row without a tree, the best tree is sent once anyway.
+        Sending none teaches the planner nothing about trees (no acceptance, no tree cost), so
+        without probes one overrated cost kept it on one token per call for whole answers
+        (session 46, an AVX2 laptop-class CPU: 325 of ~830 steps, 6 of 28 answers entirely).
     """
 
     depths: tuple[int, ...] = (1, 2, 3, 4, 5, 6)
@@ -75,6 +83,8 @@ class PlannerConfig:
     verify_slope_prior: float = 0.15
     draft_slope_prior: float = 0.15
     window: int = 64
+    half_life: float = 16.0
+    probe_every: int = 8
 
 
 def path_ranks(tree: DraftTree, accepted: Sequence[int], drafted: int | None = None
@@ -144,10 +154,12 @@ def node_chances(rates: np.ndarray, depth: int, top_b: int) -> np.ndarray:
 
 
 class _LinearFit:
-    """y = a + b x by least squares over a window, with the slope shrunk toward `slope_prior(a)`."""
+    """y = a + b x by least squares over a window, newer points weighted more (half per `half_life`
+    points), with the slope shrunk toward `slope_prior(a)`."""
 
-    def __init__(self, window: int) -> None:
+    def __init__(self, window: int, half_life: float = float("inf")) -> None:
         self.points: collections.deque[tuple[float, float]] = collections.deque(maxlen=window)
+        self.half_life = half_life
 
     def add(self, x: float, y: float) -> None:
         self.points.append((x, y))
@@ -157,13 +169,14 @@ class _LinearFit:
             return default * (1.0 + slope_share * (x - 1))
         xs = np.array([p[0] for p in self.points])
         ys = np.array([p[1] for p in self.points])
+        w = 0.5 ** (np.arange(len(xs))[::-1] / self.half_life)  # the newest point weighs 1
         # ridge toward the prior slope (a share of the intercept), weighted like 4 observations
         base = float(np.median(ys / (1.0 + slope_share * (xs - 1))))
         prior_b = slope_share * base
         lam = 4.0
-        x_mean, y_mean = xs.mean(), ys.mean()
-        sxx = float(((xs - x_mean) ** 2).sum())
-        sxy = float(((xs - x_mean) * (ys - y_mean)).sum())
+        x_mean, y_mean = np.average(xs, weights=w), np.average(ys, weights=w)
+        sxx = float((w * (xs - x_mean) ** 2).sum())
+        sxy = float((w * (xs - x_mean) * (ys - y_mean)).sum())
         b = (sxy + lam * prior_b) / (sxx + lam)
         a = y_mean - b * x_mean
         return max(a + b * x, 0.0)
@@ -182,10 +195,12 @@ class TreePlanner:
     lookup_gain: float = 0.0  # EWMA of the accepted tokens a step got from lookup nodes (credited to every tree)
 
     def __post_init__(self) -> None:
-        self.verify_fit = _LinearFit(self.config.window)
-        self.draft_fit = _LinearFit(self.config.window)
+        self.verify_fit = _LinearFit(self.config.window, self.config.half_life)
+        self.draft_fit = _LinearFit(self.config.window, self.config.half_life)
         self.chosen: collections.Counter[str] = collections.Counter()
+        self.probes = 0  # trees sent although none was predicted to pay (`PlannerConfig.probe_every`)
         self._asked_nodes = 0  # max_nodes of the last tree `choose` returned (0: none)
+        self._none_streak = 0  # steps in a row `choose` sent no tree
 
     # -- measurements ------------------------------------------------------------------------
 
@@ -259,13 +274,23 @@ class TreePlanner:
 
     def choose(self, max_depth: int = MAX_DEPTH, max_nodes: int = 64) -> TreeConfig | None:
         """The candidate tree with the most expected tokens per millisecond; None when no tree
-        beats sending none (the loop then asks the target for one token, drafting nothing)."""
+        beats sending none (the loop then asks the target for one token, drafting nothing), except
+        every `probe_every`-th step in a row, which sends the best tree to measure it again."""
         kept, step_ms = self.kept_chances(), self.step_ms()
-        best, best_rate = None, 1.0 / max(step_ms(None), 1e-3)
+        none_rate = 1.0 / max(step_ms(None), 1e-3)
+        best, best_rate = None, 0.0
         for tree in self.candidates(max_depth, max_nodes):
             rate = self.expected_tokens(tree, kept) / max(step_ms(tree), 1e-3)
             if rate > best_rate:
                 best, best_rate = tree, rate
+        if best_rate <= none_rate:
+            self._none_streak += 1
+            if self._none_streak < self.config.probe_every:
+                best = None
+            else:
+                self.probes += 1
+        if best is not None:
+            self._none_streak = 0
         self.chosen["none" if best is None else f"{best.depth}x{best.top_b}x{best.max_nodes}"] += 1
         self._asked_nodes = 0 if best is None else best.max_nodes
         return best
@@ -278,4 +303,4 @@ class TreePlanner:
                 "extra_rows": round(self.extra_rows, 2),
                 "lookup_gain": round(self.lookup_gain, 3),
                 "accept_top1_by_depth": [round(float(r), 3) for r in self.accept_rates()[:, 0]],
-                "chosen": dict(self.chosen)}
+                "chosen": dict(self.chosen), "probes": self.probes}

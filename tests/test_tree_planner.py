@@ -165,7 +165,7 @@ def test_a_planner_needs_a_drafter_with_a_tree(stories):
 
 def test_no_tree_when_speculation_does_not_pay_stays_exact(stories, stories_path):
     """A planner that has seen nothing accepted sends empty trees (one target token per call, no
-    drafting); the output is still the target's."""
+    drafting) but for a probe every `probe_every`-th step; the output is still the target's."""
     model, tokenizer, model_id = stories
     drafter = make_drafter(DrafterSpec.parse(f"draft-model:{stories_path}@layers=1"),
                            target_fingerprint=tokenizer_fingerprint(tokenizer), target=model_id, target_model=model)
@@ -174,7 +174,7 @@ def test_no_tree_when_speculation_does_not_pay_stays_exact(stories, stories_path
     prompt = tokenizer("Once upon a time")["input_ids"]
     gen = decoder.generate(prompt, 20, stop_on_eos=False)
     assert gen.tokens == reference_greedy(model, prompt, 20)
-    assert gen.stats.trees == {"none": 19} and gen.stats.draft_tokens == 0 and gen.stats.draft_ms == 0
+    assert gen.stats.trees == {"none": 17, "1x1x1": 2} and planner.probes == 2 and gen.stats.draft_tokens == 2
     assert len(planner.verify_fit.points) == 19  # it keeps measuring the link and one-token steps
 
 
@@ -247,3 +247,50 @@ def test_deep_trees_are_not_credited_with_nodes_reranking_drops():
     assert planner.expected_tokens(chain) < planner.expected_tokens(deep)
     assert [planner.expected_tokens(TreeConfig(3, 3, n)) for n in (3, 6, 9)] == sorted(
         planner.expected_tokens(TreeConfig(3, 3, n)) for n in (3, 6, 9))
+
+
+def _spell_then_recovery(config: PlannerConfig) -> list:
+    """A planner that saw a slow spell (40 steps: one-row steps at 100 ms between 7-row trees at
+    400 ms, half of them accepting the top child), then runs 64 steps on the real costs: no tree
+    100 ms, a tree 100 ms + 5 ms a row, the top child accepted at depth 1 and the second depth
+    rejected. Returns the 64 choices."""
+    planner = TreePlanner(config)
+    tree = DraftTree.chain([1, 2, 3, 4, 5, 6])
+    for i in range(40):
+        if i % 2:
+            planner.observe(DraftTree.empty(), [], CallStats(100.0, 100.0, 100.0), 0.0)
+        else:
+            planner.observe(tree, [1] if i % 4 else [], CallStats(400.0, 400.0, 400.0), 20.0)
+    choices = []
+    for _ in range(64):
+        shape = planner.choose()
+        choices.append(shape)
+        if shape is None:
+            planner.observe(DraftTree.empty(), [], CallStats(100.0, 100.0, 100.0), 0.0)
+        else:
+            sent = DraftTree.chain(list(range(1, shape.max_nodes + 1)))
+            forward = 100.0 + 5.0 * (sent.size + 1)
+            planner.observe(sent, [1], CallStats(forward, forward, forward), 5.0 * shape.depth)
+    return choices
+
+
+def test_a_slow_spell_does_not_keep_the_planner_off_trees():
+    """Sending no tree measures neither acceptance nor tree costs: without probes (and with every
+    point of the window weighted alike) one slow spell kept the planner on one token per call for the
+    whole window (session 46's AVX2 CPU: 6 answers of 28 without a tree). With them it sends the best
+    tree every `probe_every`-th step and, the recent costs weighing most, is back on trees within a
+    few probes. On these costs a tree pays (2 tokens for ~125 ms against 1 for 100 ms)."""
+    stuck = _spell_then_recovery(PlannerConfig(probe_every=10**9, half_life=float("inf")))
+    assert all(shape is None for shape in stuck[:60])  # until the spell's points leave the window
+    choices = _spell_then_recovery(PlannerConfig())
+    assert choices[0] is None and choices[7] is not None  # the first probe
+    assert all(shape is not None for shape in choices[40:]) and sum(s is None for s in choices) <= 32, choices
+
+
+def test_probes_are_rare_where_no_tree_pays():
+    """Where trees do not pay (poor acceptance), a probe is one step in `probe_every` and is counted."""
+    planner = TreePlanner()
+    _feed(planner, link_ms=40.0, accepted_share=0.05)
+    choices = [planner.choose() for _ in range(24)]
+    assert [i for i, shape in enumerate(choices) if shape is not None] == [7, 15, 23]
+    assert planner.report()["probes"] == 3 and planner.report()["chosen"]["none"] == 21
