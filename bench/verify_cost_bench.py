@@ -268,7 +268,7 @@ def cmd_verify_cost(args) -> None:
     for dtype in ("float32", "bfloat16"):
         for linear in linears:
             if linear == "onednn" and not randomised and not onednn_supports(getattr(torch, dtype)):
-                print(f"verify-cost: this CPU's oneDNN cannot prepack {dtype} weights (AVX2 only); "
+                print(f"verify-cost: this CPU's oneDNN cannot prepack {dtype} weights (bf16: an AVX2-only CPU); "
                       f"{dtype} is measured with torch's linear alone", file=sys.stderr)
                 continue
             if randomised:

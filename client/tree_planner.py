@@ -29,8 +29,8 @@ a wider tree's, and crediting it to the drafter's lower-ranked children would ma
 better than they are. The planner picks the (D, B, N) of a grid that maximises E[tokens] / cost, or
 no tree at all (one token per call, no drafting) when even the smallest tree costs more than it
 returns; after `probe_every` such steps in a row it sends the best tree once anyway, since steps
-without a tree measure neither acceptance nor tree costs, and the cost fits weight recent steps more. Every choice is a valid tree for the same drafter, so decoding stays lossless whatever is
-chosen. When the link changes (4g -> lan), the EWMA of its cost follows within a few calls and so
+without a tree measure neither acceptance nor tree costs, and the cost fits weight recent steps more.
+Every choice is a valid tree for the same drafter, so decoding stays lossless whatever is chosen. When the link changes (4g -> lan), the EWMA of its cost follows within a few calls and so
 does the choice.
 """
 from __future__ import annotations
