@@ -30,6 +30,13 @@ better than they are. The planner picks the (D, B, N) of a grid that maximises E
 no tree at all (one token per call, no drafting) when even the smallest tree costs more than it
 returns; after `probe_every` such steps in a row it sends the best tree once anyway, since steps
 without a tree measure neither acceptance nor tree costs, and the cost fits weight recent steps more.
+
+How far that sum is from what the sent trees return is kept for the report: for every tree sent
+the predicted chance of the accepted path reaching each depth (the kept nodes' chances there) and
+whether it did, both decayed by `reach_half_life` steps. Session 47 tried scaling each depth's
+chances by their ratio (a per-depth calibration): on 28 Spec-Bench prompts it made trees look worse
+than sending none 71 times against 8, and the planner slower (0.92x the fixed 2x2x4 tree against
+0.96x uncalibrated, docs/benchmarks.md "Session 47"), so the ratio is reported, not applied.
 Every choice is a valid tree for the same drafter, so decoding stays lossless whatever is chosen. When the link changes (4g -> lan), the EWMA of its cost follows within a few calls and so
 does the choice.
 """
@@ -70,6 +77,8 @@ class PlannerConfig:
         Sending none teaches the planner nothing about trees (no acceptance, no tree cost), so
         without probes one overrated cost kept it on one token per call for whole answers
         (session 46, an AVX2 laptop-class CPU: 325 of ~830 steps, 6 of 28 answers entirely).
+    reach_half_life: steps until a step's weight halves in the reported reach by depth (module
+        docstring).
     """
 
     depths: tuple[int, ...] = (1, 2, 3, 4, 5, 6)
@@ -85,6 +94,7 @@ class PlannerConfig:
     window: int = 64
     half_life: float = 16.0
     probe_every: int = 8
+    reach_half_life: float = 64.0
 
 
 def path_ranks(tree: DraftTree, accepted: Sequence[int], drafted: int | None = None
@@ -142,15 +152,26 @@ def node_chances(rates: np.ndarray, depth: int, top_b: int) -> np.ndarray:
     (priors, few observations) they are scaled to sum to 1 (at most one sibling is accepted).
     Returns: [n] chances, n = top_b + (depth - 1) * top_b ** 2 at most.
     """
+    return node_chances_by_depth(rates, depth, top_b)[0]
+
+
+def node_chances_by_depth(rates: np.ndarray, depth: int, top_b: int) -> tuple[np.ndarray, np.ndarray]:
+    """`node_chances` and, in the same order, each node's depth (0 = the root's children).
+
+    Returns: ([n] chances best first, [n] int depths).
+    """
     width = min(top_b, MAX_RANK)
-    chances, level = [], np.ones(1)
+    chances, depths, level = [], [], np.ones(1)
     for d in range(min(depth, MAX_DEPTH)):
         row = rates[d, :width]
         row = row / max(float(row.sum()), 1.0)
         frontier = np.sort(level)[::-1][:top_b]  # the B best frontier nodes are expanded
         level = (frontier[:, None] * row[None, :]).ravel()
         chances.append(level)
-    return np.sort(np.concatenate(chances))[::-1]
+        depths.append(np.full(level.size, d))
+    chances_all, depths_all = np.concatenate(chances), np.concatenate(depths)
+    order = np.argsort(-chances_all, kind="stable")
+    return chances_all[order], depths_all[order]
 
 
 class _LinearFit:
@@ -193,6 +214,10 @@ class TreePlanner:
 
     extra_rows: float = 0.0  # EWMA of the rows a verified tree held beyond the nodes chosen (lookup chains)
     lookup_gain: float = 0.0  # EWMA of the accepted tokens a step got from lookup nodes (credited to every tree)
+    # decayed sums over the trees sent: predicted chance of the accepted path reaching each depth, and
+    # how often it did (reported, module docstring)
+    reach_predicted: np.ndarray = field(default_factory=lambda: np.zeros(MAX_DEPTH))
+    reach_observed: np.ndarray = field(default_factory=lambda: np.zeros(MAX_DEPTH))
 
     def __post_init__(self) -> None:
         self.verify_fit = _LinearFit(self.config.window, self.config.half_life)
@@ -201,6 +226,7 @@ class TreePlanner:
         self.probes = 0  # trees sent although none was predicted to pay (`PlannerConfig.probe_every`)
         self._asked_nodes = 0  # max_nodes of the last tree `choose` returned (0: none)
         self._none_streak = 0  # steps in a row `choose` sent no tree
+        self._asked_reach: np.ndarray | None = None  # [MAX_DEPTH] raw predicted reach of the last tree chosen
 
     # -- measurements ------------------------------------------------------------------------
 
@@ -222,10 +248,18 @@ class TreePlanner:
             self.draft_fit.add(depth, draft_ms)
         if tree.size:
             self.lookup_gain = (1 - alpha) * self.lookup_gain + alpha * lookup_tokens(tree, accepted, drafted)
-        for d, (offered, rank) in enumerate(path_ranks(tree, accepted, drafted)[:MAX_DEPTH]):
+        ranks = path_ranks(tree, accepted, drafted)
+        for d, (offered, rank) in enumerate(ranks[:MAX_DEPTH]):
             self.offered[d, : min(offered, MAX_RANK)] += 1
             if rank is not None and rank < MAX_RANK:
                 self.hits[d, rank] += 1
+        if self._asked_reach is not None and tree.size:
+            reached = sum(rank is not None for _, rank in ranks)  # the drafter's nodes accepted
+            decay = 0.5 ** (1.0 / self.config.reach_half_life)
+            self.reach_predicted = decay * self.reach_predicted + self._asked_reach
+            self.reach_observed = decay * self.reach_observed
+            self.reach_observed[: min(reached, MAX_DEPTH)] += 1.0
+        self._asked_reach = None
 
     # -- the model ---------------------------------------------------------------------------
 
@@ -253,6 +287,14 @@ class TreePlanner:
         tree (`node_chances` of the current `accept_rates`), built once per shape."""
         rates = self.accept_rates()
         return functools.cache(lambda d, b: np.concatenate([[0.0], np.cumsum(node_chances(rates, d, b))]))
+
+    def predicted_reach(self, tree: TreeConfig) -> np.ndarray:
+        """[MAX_DEPTH] the chance that the accepted path reaches each depth (index 0: the root's
+        children) of the tree `tree` describes: the summed chances of its kept nodes at that depth
+        (the drafter's nodes only; the bonus token and lookup chains are not in it)."""
+        chances, depths = node_chances_by_depth(self.accept_rates(), tree.depth, tree.top_b)
+        n = min(tree.max_nodes, chances.size)
+        return np.bincount(depths[:n], weights=chances[:n], minlength=MAX_DEPTH)[:MAX_DEPTH]
 
     def step_ms(self) -> Callable[[TreeConfig | None], float]:
         """The predicted wall time of one step, ms, as a function of the tree (None: no tree):
@@ -293,6 +335,7 @@ class TreePlanner:
             self._none_streak = 0
         self.chosen["none" if best is None else f"{best.depth}x{best.top_b}x{best.max_nodes}"] += 1
         self._asked_nodes = 0 if best is None else best.max_nodes
+        self._asked_reach = None if best is None else self.predicted_reach(best)
         return best
 
     def report(self) -> dict:
@@ -303,4 +346,6 @@ class TreePlanner:
                 "extra_rows": round(self.extra_rows, 2),
                 "lookup_gain": round(self.lookup_gain, 3),
                 "accept_top1_by_depth": [round(float(r), 3) for r in self.accept_rates()[:, 0]],
+                "reach_predicted": [round(float(r), 1) for r in self.reach_predicted],
+                "reach_observed": [round(float(r), 1) for r in self.reach_observed],
                 "chosen": dict(self.chosen), "probes": self.probes}

@@ -294,3 +294,44 @@ def test_probes_are_rare_where_no_tree_pays():
     choices = [planner.choose() for _ in range(24)]
     assert [i for i, shape in enumerate(choices) if shape is not None] == [7, 15, 23]
     assert planner.report()["probes"] == 3 and planner.report()["chosen"]["none"] == 21
+
+
+
+def test_the_report_shows_depths_the_sent_trees_reach_less_than_predicted():
+    """The per-rank rates count only parents that offered children, so where the drafter expands the
+    wrong node (half the steps accept node 10, which has no children; the other half 11 then 20) the
+    rates say depth 2 is reached whenever depth 1 is, while the trees sent reach it half the time.
+    The reported reach by depth shows it; depth 1 is predicted right. Steps not chosen by the
+    planner (an observation without `choose`) add nothing to it."""
+    tree = DraftTree((10, 11, 20), (-1, -1, 1))  # root -> (10, 11); 11 -> (20)
+    planner = TreePlanner()
+    for i in range(200):
+        planner.choose()
+        planner.observe(tree, [10] if i % 2 else [11, 20], CallStats(100.0, 60.0, 60.0), 10.0)
+    predicted, observed = planner.reach_predicted, planner.reach_observed
+    assert observed[0] == pytest.approx(predicted[0], rel=0.1), (predicted, observed)
+    assert observed[1] == pytest.approx(observed[0] / 2, rel=0.05) and predicted[1] > 1.6 * observed[1]
+    report = planner.report()
+    assert report["reach_observed"][1] < report["reach_predicted"][1]
+    fed = TreePlanner()
+    _feed(fed, link_ms=40.0, accepted_share=0.5)
+    assert not fed.reach_predicted.any() and not fed.reach_observed.any()
+
+
+def test_the_reach_predicted_for_chains_is_what_they_reach():
+    """Chains (one child a level) accepted level by level with chance 0.7 reach depth k with chance
+    0.7 ** k, which the per-depth rates predict: the reported sums agree within 20% at three depths."""
+    import random
+
+    rng = random.Random(0)
+    planner = TreePlanner(PlannerConfig(top_bs=(1,)))
+    for _ in range(400):
+        shape = planner.choose() or TreeConfig(1, 1, 1)
+        accepted = []
+        while len(accepted) < shape.depth and rng.random() < 0.7:
+            accepted.append(len(accepted) + 1)
+        chain = DraftTree.chain(list(range(1, shape.depth + 1)))
+        planner.observe(chain, accepted, CallStats(800.0, 50.0, 50.0), 5.0 * shape.depth)
+    predicted, observed = planner.reach_predicted, planner.reach_observed
+    assert predicted[2] > 5, predicted  # deep enough chains were sent to judge three depths
+    assert all(abs(observed[k] / predicted[k] - 1.0) < 0.2 for k in range(3)), (predicted, observed)
