@@ -196,6 +196,7 @@ class _Run:
         self.session = None
         self.server = ServerView(0, -1)
         self.inflight_forced = 0
+        self._commit_ms: float | None = None  # the last step's drafter.commit, ms (None: it did not commit)
         self.online = True
         self.link = ReconnectProbe(lambda: self.verifier.probe(timeout_s=1.0), self.policy.backoff_initial_s,
                                    self.policy.backoff_max_s)
@@ -312,10 +313,10 @@ class _Run:
         self.inflight_forced = len(plan.forced)
         result = self.session.verify(tree, probs, plan.forced)
         self._record(result)
+        self._apply(len(plan.forced), result)
         if drafted and self.planner is not None and not plan.forced:  # empty trees too: link and verify(1) times
             self.planner.observe(tree, result.accepted_tokens, result.stats, self.stats.draft_ms - draft_start,
-                                 drafted=own_nodes)
-        self._apply(len(plan.forced), result)
+                                 drafted=own_nodes, commit_ms=self._commit_ms)
 
     def _propose(self):
         answer = self.answer
@@ -355,10 +356,13 @@ class _Run:
         first = self.server.cached + max(forced, 1)  # position of the first accepted token
         cached_end = first + len(result.accepted_tokens)
         facts = [*result.accepted_tokens, result.bonus_token]
+        self._commit_ms = None
         if not self._consistent(first, facts, cached_end):
             self._reopen()
             return
+        tic = time.perf_counter()
         self.drafter.commit(result.new_tokens, result.features)
+        self._commit_ms = (time.perf_counter() - tic) * 1e3  # the planner prices it (MoA's LSA runs here)
         self.server = ServerView(cached_end, result.bonus_token)
         self._settle(first, facts)
 

@@ -6,6 +6,7 @@ Measured online, per answer and carried across answers of one decoder:
 - the server's verify time against the positions scored, `a + b * positions`, a least-squares fit
   shrunk toward a prior slope (a fixed tree alone cannot identify the slope);
 - the drafter's time against tree depth, `c + d * depth`, fitted the same way;
+- the drafter's commit after each step against the tokens it took in, `e + f * tokens`, the same way;
 - acceptance by depth and sibling rank: how often the accepted path's child at depth k was the
   r-th ranked child of its parent, among the times a parent on the path offered an r-th child.
 
@@ -21,14 +22,17 @@ B best frontier nodes expanded into B children each, and of all nodes created th
 
 per call (until session 31 it assumed every depth of a D-deep tree held N // D nodes, which
 overrated deep trees: reranking keeps most nodes near the root) and costs draft(D) + link +
-verify(N + 1 + X) milliseconds, X the rows a step's tree carries beyond the N it was asked for (a
+verify(N + 1 + X) + commit(E) milliseconds (commit: the drafter's work on the step's verified tokens
+afterwards, at the expected tokens; MoA's LSA runs there, ~7.5 ms a step on an AVX2
+CPU, session 46), X the rows a step's tree carries beyond the N it was asked for (a
 merged prompt-lookup chain's own nodes, client/drafters/ngram.py `PromptLookupMerge`; an EWMA of
 what the verified trees held) and G the tokens those rows got accepted (an EWMA too). The a_k are
 learnt from the drafter's own nodes only: a token accepted through a lookup node is the chain's, not
 a wider tree's, and crediting it to the drafter's lower-ranked children would make wide trees look
 better than they are. The planner picks the (D, B, N) of a grid that maximises E[tokens] / cost, or
 no tree at all (one token per call, no drafting) when even the smallest tree costs more than it
-returns; after `probe_every` such steps in a row it sends the best tree once anyway, since steps
+returns (never before `warmup_trees` trees were verified); after `probe_every` such steps in a
+row it sends the best tree once anyway, since steps
 without a tree measure neither acceptance nor tree costs, and the cost fits weight recent steps more.
 
 How far that sum is from what the sent trees return is kept for the report: for every tree sent
@@ -70,6 +74,10 @@ class PlannerConfig:
     verify_slope_prior: prior verify cost per extra position, as a share of the one-position
         time (0.15: 5 positions ~1.6x one on the project's CPU, docs/benchmarks.md "Cost model").
     draft_slope_prior: prior drafting ms per level, as a share of the one-position verify time.
+    commit_slope_prior: prior commit ms per extra token, as a share of a one-token commit (MoA on an
+        AVX2 CPU: 5.9 ms for one, 7.9 for three, session 47). A proportional prior (1.0) priced a
+        3-token commit at 3x one whenever most recent steps sent no tree (all their commits are of
+        one token), which made trees look dear and kept the planner on one token a call.
     window, half_life: the cost fits keep the last `window` steps, each weighted by half per
         `half_life` newer steps, so a slow spell (another answer's long context, a busy machine)
         stops steering the choice within a few dozen steps.
@@ -79,6 +87,11 @@ class PlannerConfig:
         (session 46, an AVX2 laptop-class CPU: 325 of ~830 steps, 6 of 28 answers entirely).
     reach_half_life: steps until a step's weight halves in the reported reach by depth (module
         docstring).
+    warmup_trees: a fresh planner sends its best tree, never none, until it has seen this many
+        trees verified. Before that its acceptance is the prior's and the tokens prompt-lookup
+        chains add (`lookup_gain`, ~1.5 a step for moa on Spec-Bench) are still 0, so trees look
+        worth ~1.4 tokens and one plain token wins: session 47's first answers sent no tree for
+        most of their steps, probing only every `probe_every`-th.
     """
 
     depths: tuple[int, ...] = (1, 2, 3, 4, 5, 6)
@@ -91,10 +104,12 @@ class PlannerConfig:
     link_alpha: float = 0.3
     verify_slope_prior: float = 0.15
     draft_slope_prior: float = 0.15
+    commit_slope_prior: float = 0.15
     window: int = 64
     half_life: float = 16.0
     probe_every: int = 8
     reach_half_life: float = 64.0
+    warmup_trees: int = 16
 
 
 def path_ranks(tree: DraftTree, accepted: Sequence[int], drafted: int | None = None
@@ -222,19 +237,24 @@ class TreePlanner:
     def __post_init__(self) -> None:
         self.verify_fit = _LinearFit(self.config.window, self.config.half_life)
         self.draft_fit = _LinearFit(self.config.window, self.config.half_life)
+        self.commit_fit = _LinearFit(self.config.window, self.config.half_life)
         self.chosen: collections.Counter[str] = collections.Counter()
         self.probes = 0  # trees sent although none was predicted to pay (`PlannerConfig.probe_every`)
         self._asked_nodes = 0  # max_nodes of the last tree `choose` returned (0: none)
         self._none_streak = 0  # steps in a row `choose` sent no tree
         self._asked_reach: np.ndarray | None = None  # [MAX_DEPTH] raw predicted reach of the last tree chosen
+        self.trees_seen = 0  # verified steps that carried a tree (`PlannerConfig.warmup_trees`)
 
     # -- measurements ------------------------------------------------------------------------
 
     def observe(self, tree: DraftTree, accepted: Sequence[int], call: CallStats, draft_ms: float,
-                drafted: int | None = None) -> None:
+                drafted: int | None = None, commit_ms: float | None = None) -> None:
         """One Verify of `tree` (not an offline chain or a forced-token call) and its outcome;
         `drafted`: the tree's first nodes that the drafter proposed (the rest came from a
-        prompt-lookup chain; None = all)."""
+        prompt-lookup chain; None = all); `commit_ms`: the drafter's commit of the step's tokens
+        (accepted + bonus) afterwards, None when it did not commit (a reopened session)."""
+        if commit_ms is not None:
+            self.commit_fit.add(len(accepted) + 1, commit_ms)
         link = max(call.rtt_ms - call.server_total_ms, 0.0)
         alpha = self.config.link_alpha
         self.link_ms = link if self.link_ms is None else (1 - alpha) * self.link_ms + alpha * link
@@ -248,6 +268,7 @@ class TreePlanner:
             self.draft_fit.add(depth, draft_ms)
         if tree.size:
             self.lookup_gain = (1 - alpha) * self.lookup_gain + alpha * lookup_tokens(tree, accepted, drafted)
+            self.trees_seen += 1
         ranks = path_ranks(tree, accepted, drafted)
         for d, (offered, rank) in enumerate(ranks[:MAX_DEPTH]):
             self.offered[d, : min(offered, MAX_RANK)] += 1
@@ -296,9 +317,11 @@ class TreePlanner:
         n = min(tree.max_nodes, chances.size)
         return np.bincount(depths[:n], weights=chances[:n], minlength=MAX_DEPTH)[:MAX_DEPTH]
 
-    def step_ms(self) -> Callable[[TreeConfig | None], float]:
-        """The predicted wall time of one step, ms, as a function of the tree (None: no tree):
-        drafting + link + verify, from the fits as they are now (each evaluated once)."""
+    def step_ms(self) -> Callable[..., float]:
+        """The predicted wall time of one step, ms, as a function of the tree (None: no tree) and
+        the tokens it is expected to yield (default 1): drafting + link + verify + the drafter's
+        commit of those tokens, from the fits as they are now (each evaluated once). The commit
+        (MoA's LSA over the verified positions, a cache append for EAGLE-2) is 0 until measured."""
         cfg = self.config
         one = self.verify_fit.predict(1, cfg.verify_slope_prior, DEFAULT_STEP_MS)
         link = self.link_ms or 0.0
@@ -306,7 +329,13 @@ class TreePlanner:
         extra = self.extra_rows
         verify = functools.cache(lambda nodes: self.verify_fit.predict(nodes + 1 + extra, cfg.verify_slope_prior,
                                                                        DEFAULT_STEP_MS))
-        return lambda tree: link + one if tree is None else draft(tree.depth) + link + verify(tree.max_nodes)
+
+        def step(tree: TreeConfig | None, tokens: float = 1.0) -> float:
+            commit = self.commit_fit.predict(tokens, cfg.commit_slope_prior, 0.0)
+            if tree is None:
+                return link + one + commit
+            return draft(tree.depth) + link + verify(tree.max_nodes) + commit
+        return step
 
     def candidates(self, max_depth: int, max_nodes: int) -> list[TreeConfig]:
         cfg = self.config
@@ -317,15 +346,17 @@ class TreePlanner:
     def choose(self, max_depth: int = MAX_DEPTH, max_nodes: int = 64) -> TreeConfig | None:
         """The candidate tree with the most expected tokens per millisecond; None when no tree
         beats sending none (the loop then asks the target for one token, drafting nothing), except
-        every `probe_every`-th step in a row, which sends the best tree to measure it again."""
+        every `probe_every`-th step in a row, which sends the best tree to measure it again, and
+        during the warm-up (`PlannerConfig.warmup_trees`)."""
         kept, step_ms = self.kept_chances(), self.step_ms()
         none_rate = 1.0 / max(step_ms(None), 1e-3)
         best, best_rate = None, 0.0
         for tree in self.candidates(max_depth, max_nodes):
-            rate = self.expected_tokens(tree, kept) / max(step_ms(tree), 1e-3)
+            tokens = self.expected_tokens(tree, kept)
+            rate = tokens / max(step_ms(tree, tokens), 1e-3)
             if rate > best_rate:
                 best, best_rate = tree, rate
-        if best_rate <= none_rate:
+        if best_rate <= none_rate and self.trees_seen >= self.config.warmup_trees:
             self._none_streak += 1
             if self._none_streak < self.config.probe_every:
                 best = None
@@ -343,6 +374,8 @@ class TreePlanner:
         return {"link_ms": None if self.link_ms is None else round(self.link_ms, 2),
                 "verify_ms_1": round(self.verify_fit.predict(1, self.config.verify_slope_prior, DEFAULT_STEP_MS), 2),
                 "verify_ms_9": round(self.verify_fit.predict(9, self.config.verify_slope_prior, DEFAULT_STEP_MS), 2),
+                "commit_ms_1": round(self.commit_fit.predict(1, self.config.commit_slope_prior, 0.0), 2),
+                "commit_ms_3": round(self.commit_fit.predict(3, self.config.commit_slope_prior, 0.0), 2),
                 "extra_rows": round(self.extra_rows, 2),
                 "lookup_gain": round(self.lookup_gain, 3),
                 "accept_top1_by_depth": [round(float(r), 3) for r in self.accept_rates()[:, 0]],

@@ -117,6 +117,27 @@ def test_rows_beyond_the_chosen_tree_are_priced():
     assert unpriced.choose() is None
 
 
+def test_a_costly_commit_is_priced_and_buys_deeper_trees():
+    """The drafter's commit after each step (MoA's LSA over the verified positions) is part of every
+    step's cost. A fixed cost a step is spread over more tokens by a deeper tree, so a planner that
+    measures 150 ms of commit a step picks a tree expected to yield more than one that measures none
+    (which is what a planner that left the commit out believed)."""
+    light, heavy = TreePlanner(), TreePlanner()
+    tree = DraftTree.chain([1, 2, 3, 4, 5, 6])
+    for planner, commit in ((light, 0.0), (heavy, 150.0)):
+        for i in range(60):
+            depth = 0
+            while depth < 6 and (i * 7 + depth * 3) % 100 < 60:
+                depth += 1
+            forward = 40.0 + 6.0 * (tree.size + 1)
+            planner.observe(tree, [1, 2, 3, 4, 5, 6][:depth], CallStats(forward, forward, forward), 60.0,
+                            commit_ms=commit)
+    assert heavy.report()["commit_ms_1"] == pytest.approx(150.0, rel=0.05) and light.report()["commit_ms_1"] == 0.0
+    assert heavy.step_ms()(None) - light.step_ms()(None) == pytest.approx(150.0, rel=0.05)
+    t_light, t_heavy = light.choose(), heavy.choose()
+    assert heavy.expected_tokens(t_heavy) > light.expected_tokens(t_light), (t_light, t_heavy)
+
+
 def test_the_choice_follows_a_link_change():
     planner = TreePlanner(PlannerConfig(link_alpha=0.3))
     _feed(planner, link_ms=200.0, accepted_share=0.5)
@@ -152,6 +173,7 @@ def test_adaptive_trees_decode_exactly(stories, stories_path):
         assert sum(gen.stats.trees.values()) == gen.stats.target_calls - 1  # one choice per call after the open
         assert "trees" in gen.stats.as_dict()
     assert decoder.planner.verify_fit.points and decoder.planner.offered.sum() > 0
+    assert decoder.planner.commit_fit.points  # the drafter's commit after each step is timed and priced
 
 
 def test_a_planner_needs_a_drafter_with_a_tree(stories):
@@ -169,7 +191,7 @@ def test_no_tree_when_speculation_does_not_pay_stays_exact(stories, stories_path
     model, tokenizer, model_id = stories
     drafter = make_drafter(DrafterSpec.parse(f"draft-model:{stories_path}@layers=1"),
                            target_fingerprint=tokenizer_fingerprint(tokenizer), target=model_id, target_model=model)
-    planner = TreePlanner(PlannerConfig(prior_accept=0.01))
+    planner = TreePlanner(PlannerConfig(prior_accept=0.01, warmup_trees=0))
     decoder = SpeculativeDecoder(LocalVerifier(TargetRunner(model, tokenizer, model_id)), drafter, planner=planner)
     prompt = tokenizer("Once upon a time")["input_ids"]
     gen = decoder.generate(prompt, 20, stop_on_eos=False)
@@ -285,6 +307,26 @@ def test_a_slow_spell_does_not_keep_the_planner_off_trees():
     choices = _spell_then_recovery(PlannerConfig())
     assert choices[0] is None and choices[7] is not None  # the first probe
     assert all(shape is not None for shape in choices[40:]) and sum(s is None for s in choices) <= 32, choices
+
+
+def test_a_fresh_planner_sends_trees_until_it_has_seen_enough():
+    """Before `warmup_trees` trees were verified a planner knows only its prior (and no prompt-lookup
+    gain), so it sends its best tree even where its model says none pays; then it trusts the model.
+    Without the warm-up the same planner sends none from the first step."""
+    def run(config: PlannerConfig) -> list:
+        planner, choices = TreePlanner(config), []
+        for _ in range(24):
+            shape = planner.choose()
+            choices.append(shape)
+            sent = DraftTree.empty() if shape is None else DraftTree.chain(list(range(1, shape.max_nodes + 1)))
+            forward = 100.0 + 20.0 * (sent.size + 1)
+            planner.observe(sent, [], CallStats(forward, forward, forward), 30.0 * (shape.depth if shape else 0))
+        return choices
+
+    warm = run(PlannerConfig(prior_accept=0.01))
+    assert all(shape is not None for shape in warm[:16]) and warm[16] is None, warm
+    cold = run(PlannerConfig(prior_accept=0.01, warmup_trees=0))
+    assert cold[0] is None
 
 
 def test_probes_are_rare_where_no_tree_pays():
