@@ -23,8 +23,8 @@ B best frontier nodes expanded into B children each, and of all nodes created th
 per call (until session 31 it assumed every depth of a D-deep tree held N // D nodes, which
 overrated deep trees: reranking keeps most nodes near the root) and costs draft(D) + link +
 verify(N + 1 + X) + commit(E) milliseconds (commit: the drafter's work on the step's verified tokens
-afterwards, at the expected tokens; MoA's LSA runs there, ~7.5 ms a step on an AVX2
-CPU, session 46), X the rows a step's tree carries beyond the N it was asked for (a
+afterwards, at the expected tokens; MoA's LSA runs there, ~7.5 ms a step on an AVX2 CPU, session
+46), X the rows a step's tree carries beyond the N it was asked for (a
 merged prompt-lookup chain's own nodes, client/drafters/ngram.py `PromptLookupMerge`; an EWMA of
 what the verified trees held) and G the tokens those rows got accepted (an EWMA too). The a_k are
 learnt from the drafter's own nodes only: a token accepted through a lookup node is the chain's, not
@@ -32,8 +32,8 @@ a wider tree's, and crediting it to the drafter's lower-ranked children would ma
 better than they are. The planner picks the (D, B, N) of a grid that maximises E[tokens] / cost, or
 no tree at all (one token per call, no drafting) when even the smallest tree costs more than it
 returns (never before `warmup_trees` trees were verified); after `probe_every` such steps in a
-row it sends the best tree once anyway, since steps
-without a tree measure neither acceptance nor tree costs, and the cost fits weight recent steps more.
+row it sends the best tree once anyway, since steps without a tree measure neither acceptance nor
+tree costs, and the cost fits weight recent steps more.
 
 How far that sum is from what the sent trees return is kept for the report: for every tree sent
 the predicted chance of the accepted path reaching each depth (the kept nodes' chances there) and
@@ -41,8 +41,10 @@ whether it did, both decayed by `reach_half_life` steps. Session 47 tried scalin
 chances by their ratio (a per-depth calibration): on 28 Spec-Bench prompts it made trees look worse
 than sending none 71 times against 8, and the planner slower (0.92x the fixed 2x2x4 tree against
 0.96x uncalibrated, docs/benchmarks.md "Session 47"), so the ratio is reported, not applied.
-Every choice is a valid tree for the same drafter, so decoding stays lossless whatever is chosen. When the link changes (4g -> lan), the EWMA of its cost follows within a few calls and so
-does the choice.
+
+Every choice is a valid tree for the same drafter, so decoding stays lossless whatever is chosen.
+When the link changes (4g -> lan), the EWMA of its cost follows within a few calls and so does the
+choice.
 """
 from __future__ import annotations
 
@@ -201,8 +203,14 @@ class _LinearFit:
         self.points.append((x, y))
 
     def predict(self, x: float, slope_share: float, default: float) -> float:
+        return self.line(slope_share, default)(x)
+
+    def line(self, slope_share: float, default: float) -> Callable[[float], float]:
+        """The fitted line as a function of x, fitted once: the planner values every candidate
+        shape on the same fit, so it fits once a choice, not once a shape. With no points, the
+        prior line `default * (1 + slope_share * (x - 1))`."""
         if not self.points:
-            return default * (1.0 + slope_share * (x - 1))
+            return lambda x: default * (1.0 + slope_share * (x - 1))
         xs = np.array([p[0] for p in self.points])
         ys = np.array([p[1] for p in self.points])
         w = 0.5 ** (np.arange(len(xs))[::-1] / self.half_life)  # the newest point weighs 1
@@ -215,7 +223,7 @@ class _LinearFit:
         sxy = float((w * (xs - x_mean) * (ys - y_mean)).sum())
         b = (sxy + lam * prior_b) / (sxx + lam)
         a = y_mean - b * x_mean
-        return max(a + b * x, 0.0)
+        return lambda x: max(a + b * x, 0.0)
 
 
 @dataclass
@@ -323,18 +331,17 @@ class TreePlanner:
         commit of those tokens, from the fits as they are now (each evaluated once). The commit
         (MoA's LSA over the verified positions, a cache append for EAGLE-2) is 0 until measured."""
         cfg = self.config
-        one = self.verify_fit.predict(1, cfg.verify_slope_prior, DEFAULT_STEP_MS)
+        verify = self.verify_fit.line(cfg.verify_slope_prior, DEFAULT_STEP_MS)
+        one = verify(1)
         link = self.link_ms or 0.0
-        draft = functools.cache(lambda depth: self.draft_fit.predict(depth, 1.0, cfg.draft_slope_prior * one))
+        draft = self.draft_fit.line(1.0, cfg.draft_slope_prior * one)
+        commit = self.commit_fit.line(cfg.commit_slope_prior, 0.0)
         extra = self.extra_rows
-        verify = functools.cache(lambda nodes: self.verify_fit.predict(nodes + 1 + extra, cfg.verify_slope_prior,
-                                                                       DEFAULT_STEP_MS))
 
         def step(tree: TreeConfig | None, tokens: float = 1.0) -> float:
-            commit = self.commit_fit.predict(tokens, cfg.commit_slope_prior, 0.0)
             if tree is None:
-                return link + one + commit
-            return draft(tree.depth) + link + verify(tree.max_nodes) + commit
+                return link + one + commit(tokens)
+            return draft(tree.depth) + link + verify(tree.max_nodes + 1 + extra) + commit(tokens)
         return step
 
     def candidates(self, max_depth: int, max_nodes: int) -> list[TreeConfig]:
