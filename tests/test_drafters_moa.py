@@ -202,19 +202,40 @@ def test_lsa_memory_is_per_token_across_chunks(stories, pool):
             torch.testing.assert_close(together[i], drafter.memory(layer_kv[i:i + 1])[0], rtol=1e-4, atol=1e-5)
 
 
-def test_lsa_attention_is_eager_and_equals_sdpa(stories):
-    """LSA's block attends with plain matmul + softmax (faster than CPU SDPA over ~30 layers for
-    thousands of tokens, shared/drafters/moa.py); it gives SDPA's memory to fp32 rounding."""
+def _block_then_pool(drafter: MoADrafter, layer_kv: torch.Tensor) -> torch.Tensor:
+    """The memory as the paper writes it: LSA's decoder block (transformers' LlamaDecoderLayer) over
+    every token's layer axis, then the pooling over layers, then the projection."""
+    layers = layer_kv.shape[1]
+    positions = torch.arange(layers)[None]
+    out = drafter.lsa(layer_kv, attention_mask=layer_kv.new_zeros(1, 1, layers, layers), position_ids=positions,
+                      position_embeddings=drafter.lsa_rotary(layer_kv, positions))  # [N, L, W]
+    if drafter.config.lsa_pool == "learned":
+        pooled = torch.einsum("nlw,l->nw", out, torch.softmax(drafter.lsa_layer_logits, dim=0))
+    else:
+        pooled = out.mean(dim=1)
+    return drafter.lsa_out(pooled)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("pool", ["mean", "learned"])
+def test_lsa_with_the_pooling_folded_in_equals_the_block_then_pooling(stories, pool, attention):
+    """`lsa_pooled` runs the block's down projection after the pooling (it is linear) and attends
+    with plain matmul + softmax: the memory and the gradients of LSA's weights equal the block's
+    (either attention of transformers) followed by the pooling, to fp32 rounding."""
     model, _, _ = stories
     torch.manual_seed(6)
-    drafter = MoADrafter(MoAConfig.from_target(model.config)).eval()
-    assert drafter.lsa.self_attn.config._attn_implementation == "eager"
-    assert drafter.sa.self_attn.config._attn_implementation == "sdpa"
-    layer_kv = torch.randn(9, model.config.num_hidden_layers, drafter.config.kv_width)
-    with torch.no_grad():
-        eager = drafter.memory(layer_kv)
-        drafter.lsa.self_attn.config._attn_implementation = "sdpa"
-        torch.testing.assert_close(eager, drafter.memory(layer_kv), rtol=1e-4, atol=1e-5)
+    drafter = MoADrafter(MoAConfig.from_target(model.config, lsa_pool=pool)).train()
+    drafter.lsa.self_attn.config._attn_implementation = attention
+    if pool == "learned":
+        with torch.no_grad():
+            drafter.lsa_layer_logits.copy_(torch.randn(model.config.num_hidden_layers))
+    layer_kv = 3 * torch.randn(9, model.config.num_hidden_layers, drafter.config.kv_width)
+    folded, folded_grads = _memory_and_grads(drafter, layer_kv)
+    drafter.memory = lambda kv: _block_then_pool(drafter, kv)
+    reference, reference_grads = _memory_and_grads(drafter, layer_kv)
+    torch.testing.assert_close(folded, reference, rtol=1e-4, atol=1e-5)
+    for f, r in zip(folded_grads, reference_grads, strict=True):
+        torch.testing.assert_close(f, r, rtol=1e-4, atol=1e-5)
 
 
 def _memory_and_grads(drafter: MoADrafter, layer_kv: torch.Tensor) -> tuple[torch.Tensor, list]:
@@ -248,9 +269,9 @@ def test_compiled_lsa_pads_chunks_and_runs_only_with_gradients(stories, monkeypa
     assert list(drafter.state_dict()) == keys
     shapes = []
 
-    def recording(chunk, **kwargs):
+    def recording(chunk, rope):
         shapes.append(chunk.shape[0])
-        return drafter.lsa(chunk, **kwargs)
+        return drafter.lsa_pooled(chunk, rope)
 
     drafter._lsa_compiled = recording
     compiled, grads = _memory_and_grads(drafter, layer_kv)
@@ -296,7 +317,8 @@ def test_lsa_chunks_are_small_on_a_cpu_only(stories, monkeypatch):
     model, _, _ = stories
     drafter = MoADrafter(MoAConfig.from_target(model.config)).eval()
     passes = []
-    drafter.lsa.register_forward_pre_hook(lambda module, args: passes.append(args[0].shape[0]))
+    run = drafter.lsa_pooled
+    drafter.lsa_pooled = lambda chunk, rope: passes.append(chunk.shape[0]) or run(chunk, rope)
     monkeypatch.setattr(moa, "lsa_chunk", lambda device: 5 if torch.device(device).type == "cpu" else 0)
     with torch.no_grad():
         drafter.memory(torch.randn(12, model.config.num_hidden_layers, drafter.config.kv_width))

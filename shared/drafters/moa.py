@@ -198,10 +198,11 @@ class MoADrafter(nn.Module):
         super().__init__()
         self.config = config
         width = config.kv_width
+        # `self.lsa` holds LSA's weights; `lsa_pooled` runs them (the block with its pooling folded in).
         # LSA attends over L ~ 30 layers for thousands of tokens at once: plain matmul + softmax
-        # ("eager") beats CPU SDPA there, whose flash kernel takes a mask and tiles for long sequences
-        # (AMX Xeon, 2 threads, bf16: training fwd + bwd 973 -> 623 ms per 1,024 tokens; fp32 open
-        # of 64 / 400 positions 15 -> 9 / 89 -> 58 ms; docs/training.md, session 44)
+        # ("eager", as `lsa_pooled` does) beats CPU SDPA there, whose flash kernel takes a mask and tiles
+        # for long sequences (AMX Xeon, 2 threads, bf16: training fwd + bwd 973 -> 623 ms per 1,024
+        # tokens; fp32 open of 64 / 400 positions 15 -> 9 / 89 -> 58 ms; docs/training.md, session 44)
         lsa_cfg = config.block_config(width, config.lsa_heads, config.lsa_kv_heads, config.lsa_intermediate_size,
                                       config.target_layers, attention="eager")
         main_cfg = config.block_config(config.hidden_size, config.num_heads, config.num_kv_heads,
@@ -217,15 +218,57 @@ class MoADrafter(nn.Module):
         self._lsa_compiled = None  # set by compile_lsa (training); a plain attribute, not a submodule
 
     def compile_lsa(self) -> None:
-        """Run LSA's block through `torch.compile` where gradients are on (training steps).
+        """Run LSA (`lsa_pooled`) through `torch.compile` where gradients are on (training steps).
 
         The block's elementwise work (norms, rotary, SwiGLU, their backward) is most of a MoA training
         step on a CPU; inductor fuses it. Every pass gets the same shape (the last chunk is padded
-        with zero rows, their outputs dropped), so the block compiles once per dtype. Passes without
+        with zero rows, their outputs dropped), so it compiles once per dtype. Passes without
         gradients (held-out figures, drafting) stay eager. The first step pays the compile (~10-30 s
         on a 2-core CPU). The weights are the module's own: checkpoints are unchanged.
         """
-        self._lsa_compiled = torch.compile(self.lsa.forward, dynamic=False)  # a function: no new submodule
+        self._lsa_compiled = torch.compile(self.lsa_pooled, dynamic=False)  # a function: no new submodule
+
+    def lsa_pooled(self, layer_kv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """LSA's decoder block over the layer axis of each token, pooled over layers (§3.1.1).
+
+        The same function as `self.lsa` (transformers' LlamaDecoderLayer: pre-norm attention across
+        layers, bidirectional, eager matmul + softmax in fp32, then a pre-norm SwiGLU MLP) followed by
+        the pooling, with the pooling moved inside: the MLP's down projection is linear and the last
+        step, so pool(h + down(a)) = pool(h) + down(pool(a)) and `down_proj` runs once per token
+        instead of once per token and layer. That removes ~23% of LSA's FLOPs (2-core AVX2 CPU, fp32,
+        the shipped moa-tli0: a prompt of 150 tokens 144 -> 120 ms) and changes the memory only by
+        rounding. Weights and checkpoints are `self.lsa`'s.
+
+        Args:
+            layer_kv: [N, L, W] per-token target K/V stacks (`stack_layer_kv`).
+            rope: (cos, sin), each [1, L, Dh], rotary at layer indices.
+        Returns:
+            [N, W], pooled over layers (mean, or the learned softmax weights).
+        """
+        block = self.lsa
+        attn, mlp = block.self_attn, block.mlp
+        n, layers, _ = layer_kv.shape
+        heads, kv_heads, head_dim = attn.config.num_attention_heads, attn.config.num_key_value_heads, attn.head_dim
+        groups = heads // kv_heads
+        x = block.input_layernorm(layer_kv)
+        q = attn.q_proj(x).view(n, layers, heads, head_dim).transpose(1, 2)  # [N, H, L, Dh]
+        k = attn.k_proj(x).view(n, layers, kv_heads, head_dim).transpose(1, 2)  # [N, Hkv, L, Dh]
+        v = attn.v_proj(x).view(n, layers, kv_heads, head_dim).transpose(1, 2)
+        cos, sin = (t.unsqueeze(1) for t in rope)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        # query head h reads kv head h // groups (transformers' repeat_kv): group the queries instead
+        # of repeating the keys, [N, Hkv, groups * L, Dh]
+        scores = torch.matmul(q.reshape(n, kv_heads, groups * layers, head_dim), k.transpose(2, 3)) * attn.scaling
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs, v).view(n, heads, layers, head_dim).transpose(1, 2).reshape(n, layers, -1)
+        hidden = layer_kv + attn.o_proj(out)  # [N, L, W]
+        post = block.post_attention_layernorm(hidden)
+        act = mlp.act_fn(mlp.gate_proj(post)) * mlp.up_proj(post)  # [N, L, I]
+        if self.config.lsa_pool == "learned":
+            weights = torch.softmax(self.lsa_layer_logits.float(), dim=0).to(hidden.dtype)  # [L]
+            return torch.einsum("nlw,l->nw", hidden, weights) + mlp.down_proj(torch.einsum("nli,l->ni", act, weights))
+        return hidden.mean(dim=1) + mlp.down_proj(act.mean(dim=1))
 
     def memory(self, layer_kv: torch.Tensor) -> torch.Tensor:
         """LSA over layers, pooling over layers (mean, or learned softmax weights), projection.
@@ -242,22 +285,15 @@ class MoADrafter(nn.Module):
             return layer_kv.new_zeros(0, self.config.hidden_size)
         positions = torch.arange(layers, device=layer_kv.device)[None]  # [1, L], broadcast over tokens
         rope = self.lsa_rotary(layer_kv, positions)
-        full = layer_kv.new_zeros(1, 1, layers, layers)  # bidirectional across layers
-        if self.config.lsa_pool == "learned":
-            weights = torch.softmax(self.lsa_layer_logits.float(), dim=0).to(layer_kv.dtype)  # [L]
-            pool = lambda out: torch.einsum("nlw,l->nw", out, weights)  # noqa: E731
-        else:
-            pool = lambda out: out.mean(dim=1)  # noqa: E731
         size = lsa_chunk(layer_kv.device)
         compiled = self._lsa_compiled if torch.is_grad_enabled() else None
-        block = compiled or self.lsa
+        block = compiled or self.lsa_pooled
         pooled = []
         for chunk in layer_kv.split(size):
             rows = chunk.shape[0]
             if compiled is not None and rows < size:  # one static shape for the compiled block
                 chunk = torch.cat([chunk, chunk.new_zeros(size - rows, *chunk.shape[1:])])
-            out = block(chunk, attention_mask=full, position_ids=positions, position_embeddings=rope)
-            pooled.append(pool(out[:rows]))
+            pooled.append(block(chunk, rope)[:rows])
         return self.lsa_out(torch.cat(pooled) if len(pooled) > 1 else pooled[0])
 
     def memory_kv(self, memory: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
