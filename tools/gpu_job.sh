@@ -70,13 +70,14 @@ if [ $rc -eq 124 ] && ls "$R"/train/*/model.safetensors > /dev/null 2>&1; then
   # final held-out evaluation (minutes on a CPU dry run, seconds on a GPU): not a failure to retry
   log "timed out after the checkpoints were saved (final evaluation cut short): kept"; rc=0
 fi
-if [ $rc -ne 0 ]; then  # out of memory (any time): half the batch; an early failure with COMPILE=on: eager;
-  # another early failure under autocast: fp32
+if [ $rc -ne 0 ]; then  # out of memory (any time): half the batch; a failure in the first 4 minutes with
+  # COMPILE=on: eager; another early failure under autocast: fp32
   tr '\r' '\n' < "$R/train.log" | tail -c 3000 > "$OUT/train-bf16-failed.log"
   left=$(python3 -c "print(max(0.5, $TRAIN_MIN - ($(date +%s) - $T1) / 60))")
-  if [ "$COMPILE" = on ] && ! grep -qi "out of memory" "$R/train.log"; then
-    # --compile on CUDA had never run before session 48 (a missing triton or an inductor error would
-    # otherwise cost the call): the same run eager, on the time left
+  if [ "$COMPILE" = on ] && [ $(( $(date +%s) - T1 )) -lt 240 ] && ! grep -qi "out of memory" "$R/train.log"; then
+    # --compile on CUDA had never run before session 48 (a missing triton or an inductor error, which
+    # show in the first steps, would otherwise cost the call): the same run eager, on the time left;
+    # a later failure is not retried, as the fp32 retry below, so the copies still end inside the call
     COMPILE=off; log "compiled training failed: retry eager (--compile off) for $left min"
     rm -rf "$R/train"; train bfloat16 "$left" "$R/train"; log "train rc=$?"
   elif grep -qi "out of memory" "$R/train.log"; then

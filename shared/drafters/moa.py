@@ -235,9 +235,10 @@ class MoADrafter(nn.Module):
         layers, bidirectional, eager matmul + softmax in fp32, then a pre-norm SwiGLU MLP) followed by
         the pooling, with the pooling moved inside: the MLP's down projection is linear and the last
         step, so pool(h + down(a)) = pool(h) + down(pool(a)) and `down_proj` runs once per token
-        instead of once per token and layer. That removes ~23% of LSA's FLOPs (2-core AVX2 CPU, fp32,
-        the shipped moa-tli0: a prompt of 150 tokens 144 -> 120 ms) and changes the memory only by
-        rounding. Weights and checkpoints are `self.lsa`'s.
+        instead of once per token and layer. That removes ~23% of LSA's FLOPs and changes the memory
+        only by rounding (2-core AVX2 CPU, fp32, the shipped moa-tli0, one process: training fwd + bwd
+        over 1,024 tokens 1.28x faster, a verify step's 3-position memory ~1.1x, a prompt's within
+        noise; docs/benchmarks.md, session 48). Weights and checkpoints are `self.lsa`'s.
 
         Args:
             layer_kv: [N, L, W] per-token target K/V stacks (`stack_layer_kv`).
