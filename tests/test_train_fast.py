@@ -77,6 +77,55 @@ def test_fast_path_equals_reference(stories, examples, job):
     assert abs(bf16.item() - ref.item()) <= 0.03 * ref.item()
 
 
+# operators that make the host wait for a GPU: `.item()` / `.tolist()` / `float()` of a device tensor, and
+# boolean-mask indexing (its `nonzero`)
+HOST_WAITS = ("aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::masked_select", "aten::is_nonzero")
+
+
+@pytest.mark.parametrize("job", [DrafterJob("moa"), DrafterJob("moa", 1), DrafterJob("eagle2"), DrafterJob("falcon"),
+                                 DrafterJob("tokenswift")], ids=str)
+def test_a_training_step_never_waits_for_the_device(stories, job):
+    """Scoring a batch, back-propagating and the optimizer step issue no operator that would make
+    the host wait for a GPU (session 47's H200 step waited 24 times: `.item()` of every metric,
+    boolean-mask indexing), and the metrics, read once afterwards, are those of a float-metric pass.
+    Counted on the CPU, so what it cannot see is a `.tolist()` (no operator on a CPU tensor; Falcon's
+    CSGD makes one a step to draw its glances) and host-to-device copies (`to_device` pins them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import splitspec.train.trainer as trainer
+
+    model, tokenizer, _ = stories
+    chosen = [tokenize_conversation(tokenizer, c, 128) for c in _conversations(4, 5)]
+    cfg = TrainConfig(drafter=job.name, target="x", out=None, dtype="float32", batch=4, chunk_min=1, chunk_max=4,
+                      staircase=0.0)
+    layers = (TargetParts(model, job.tli).first_tli_layer,) if job.tli else ()
+    torch.manual_seed(0)
+    drafter = build_drafter(job, model.config)
+    t = trainer.Trainee(job, drafter, TargetParts(model, job.tli), TargetParts(model, job.tli),
+                        torch.optim.SGD(drafter.parameters(), lr=0.0), random.Random(1), torch.Generator(), None)
+    if job.tli:
+        t.scale = torch.ones(model.config.hidden_size)
+    target = run_target_batch(model, make_batch(chosen), layers)
+    state = t.rng.getstate(), t.gen.get_state()
+    opts = LossOptions(sa_window=sa_window(cfg, 0, 10), eagle_noise=trainer.EAGLE_NOISE,
+                       falcon_glance=trainer.FALCON_GLANCE, kl_weight=cfg.kl_weight,
+                       tli_scale=t.scale if cfg.tli_norm else None)
+    loss, floats = trainee_loss(cfg, t, target, opts, t.parts)  # before the step changes the weights
+    t.rng.setstate(state[0])
+    t.gen.set_state(state[1])
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        s = trainer.AccumulatedStep(cfg, t, 0, 10, whole=True)
+        s.add(target, None)
+        metrics = s.finish()
+    waits = {e.key: e.count for e in prof.key_averages() if e.key in HOST_WAITS}
+    assert waits == {}, waits
+    assert all(isinstance(v, torch.Tensor) for k, v in metrics.items() if k != "rows")
+    read = trainer.host_metrics({"m": metrics})["m"]
+    assert read["rows"] == floats["rows"] and read["loss"] == pytest.approx(loss.item(), rel=1e-6)
+    for key in ("kl", "smooth_l1", "top1"):
+        assert isinstance(floats[key], float) and read[key] == pytest.approx(floats[key], rel=1e-6), key
+
+
 @pytest.mark.parametrize("job", [DrafterJob("moa"), DrafterJob("moa", 1), DrafterJob("eagle2")], ids=str)
 def test_micro_batches_accumulate_the_whole_batchs_gradient(stories, job, monkeypatch):
     """fp32: a batch of 4 scored as micro-batches of 1 and 2 gives the gradients (after clipping)
@@ -101,7 +150,7 @@ def test_micro_batches_accumulate_the_whole_batchs_gradient(stories, job, monkey
         s = trainer.AccumulatedStep(cfg, t, 0, 10, whole=size == len(chosen))
         for m in range(0, len(chosen), size):
             s.add(run_target_batch(model, make_batch(chosen[m: m + size]), layers), None)
-        return s.finish(), [p.grad.clone() for p in drafter.parameters()]
+        return trainer.host_metrics({"m": s.finish()})["m"], [p.grad.clone() for p in drafter.parameters()]
 
     whole, g_whole = step(4)
     for size in (1, 2):

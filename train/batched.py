@@ -32,6 +32,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
@@ -48,17 +49,43 @@ from .objectives import KL_WEIGHT, chunk_starts
 
 @dataclass
 class Batch:
-    """Right-padded conversations."""
+    """Right-padded conversations, with the flat indices (b * T + t) of their real tokens and of the
+    positions that carry loss, made on the host: indexing with them, and counting rows, never waits
+    for a GPU (boolean-mask indexing does: its `nonzero` is a host-device synchronisation)."""
 
     input_ids: torch.Tensor  # [B, T] (pads are 0)
     valid: torch.Tensor  # [B, T] bool
     trained: torch.Tensor  # [B, T] bool: the next token belongs to an assistant turn
     examples: list[Example]
+    valid_rows: torch.Tensor  # [Nv] ascending flat indices of real tokens (on the batch's device)
+    trained_rows: torch.Tensor  # [N] ascending flat indices of trained positions (on the batch's device)
+    trained_rows_host: torch.Tensor  # the same [N] on the CPU, for index arithmetic on the host
 
     @property
     def tokens(self) -> int:
         """Real tokens in the batch (the unit of training budgets)."""
-        return int(self.valid.sum())
+        return sum(len(e.input_ids) for e in self.examples)
+
+    def rows_from(self, first: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The trained positions with t >= `first` (the rows a slot `first` positions back predicts):
+        (their index [N'] into `trained_rows`, conversation b [N'], position t [N']), on the batch's
+        device, in `trained_rows`' order; computed on the host."""
+        T = self.input_ids.shape[1]
+        rows = self.trained_rows_host.numpy()
+        keep = np.flatnonzero(rows % T >= first)
+        device = self.input_ids.device
+        return tuple(to_device(torch.from_numpy(x), device) for x in (keep, rows[keep] // T, rows[keep] % T))
+
+
+def to_device(tensor: torch.Tensor, device: str | torch.device) -> torch.Tensor:
+    """A host tensor on `device`; to a GPU through pinned memory without blocking (a plain copy
+    from pageable memory waits for the device's queue to drain)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return tensor.to(device)
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
 
 
 def make_batch(examples: list[Example], device: str | torch.device = "cpu") -> Batch:
@@ -72,7 +99,9 @@ def make_batch(examples: list[Example], device: str | torch.device = "cpu") -> B
         ids[b, :n] = torch.tensor(e.input_ids)
         valid[b, :n] = True
         trained[b, : n - 1] = torch.tensor(e.loss_mask[1:], dtype=torch.bool)
-    return Batch(ids.to(device), valid.to(device), trained.to(device), examples)
+    valid_rows, trained_rows = valid.flatten().nonzero().flatten(), trained.flatten().nonzero().flatten()
+    return Batch(to_device(ids, device), to_device(valid, device), to_device(trained, device), examples,
+                 to_device(valid_rows, device), to_device(trained_rows, device), trained_rows)
 
 
 def bucketed_order(lengths: list[int], batch: int, seed: int, pool: int = 64) -> list[list[int]]:
@@ -139,7 +168,7 @@ def run_target_batch(model, batch: Batch, layer_inputs: tuple[int, ...] = (),
         ids = ids.repeat(-(-decoder.splitspec_min_batch // B), 1)
     out = decoder(input_ids=ids, cache=cache, use_cache=True, output_hidden_states=True)
     final = out.last_hidden_state[:B]  # [B, T, E], after the final norm
-    rows = batch.trained.flatten().nonzero().flatten()
+    rows = batch.trained_rows
     weight, bias = head_weight(model.get_output_embeddings(), vocab)
     logits = F.linear(final.flatten(0, 1)[rows], weight, bias).float()
     return TargetBatch(batch, rows, logits, final, {l: out.hidden_states[l][:B] for l in layer_inputs},
@@ -159,7 +188,7 @@ def batch_chunk_starts(batch: Batch, chunk_min: int, chunk_max: int, rng: random
     starts = torch.arange(T).repeat(len(batch.examples), 1)
     for b, e in enumerate(batch.examples):
         starts[b, : len(e.input_ids)] = chunk_starts(e.loss_mask, rng.randint(chunk_min, chunk_max), rng)
-    return starts.to(batch.input_ids.device)
+    return to_device(starts, batch.input_ids.device)
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -168,11 +197,11 @@ def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         ~visible, torch.finfo(dtype).min)[:, None]
 
 
-def _shuffled(memory: torch.Tensor, valid: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """memory [B, T, E] with each conversation's valid rows permuted (the memory-gain control)."""
+def _shuffled(memory: torch.Tensor, lengths: list[int], gen: torch.Generator) -> torch.Tensor:
+    """memory [B, T, E] with each conversation's first `lengths[b]` (valid) rows permuted (the
+    memory-gain control)."""
     out = memory.clone()
-    for b in range(memory.shape[0]):
-        n = int(valid[b].sum())
+    for b, n in enumerate(lengths):
         out[b, :n] = memory[b, torch.randperm(n, generator=gen).to(memory.device)]
     return out
 
@@ -194,11 +223,10 @@ def moa_forward_batch(drafter: MoADrafter, parts: TargetParts, target: TargetBat
     batch = target.batch
     B, T = batch.input_ids.shape
     layer_kv = stack_layer_kv_batch(target.keys, target.values)  # [B, T, L, W]
-    flat = drafter.memory(layer_kv[batch.valid])  # [Nv, E]
-    memory = flat.new_zeros(B, T, flat.shape[-1])
-    memory[batch.valid] = flat
+    flat = drafter.memory(layer_kv.flatten(0, 1)[batch.valid_rows])  # [Nv, E]
+    memory = flat.new_zeros(B * T, flat.shape[-1]).index_copy(0, batch.valid_rows, flat).view(B, T, -1)
     if shuffle is not None:
-        memory = _shuffled(memory, batch.valid, shuffle)
+        memory = _shuffled(memory, [len(e.input_ids) for e in batch.examples], shuffle)
     positions = torch.arange(T, device=memory.device).expand(B, T)
     mem_keys, mem_values = drafter.ca.memory_kv(memory, drafter.rotary(memory, positions))
     j = torch.arange(T, device=memory.device)
@@ -244,7 +272,9 @@ def eagle_forward_batch(drafter: EagleDrafter, parts: TargetParts, target: Targe
     batch = target.batch
     feats = target.final[:, :-1]
     if noise:
-        std = target.final[batch.valid].float().std()
+        real = target.final.flatten(0, 1)[batch.valid_rows].float()  # [Nv, E]
+        # the sample std written out: torch's std of a whole CPU tensor reads a scalar back (`.item()`)
+        std = (real - real.mean()).pow(2).sum().div(max(1, real.numel() - 1)).sqrt()
         feats = feats + ((_uniform(feats, gen) * 2 - 1) * noise * std).to(feats.dtype)
     T = feats.shape[1]
     j = torch.arange(T, device=feats.device)
@@ -264,12 +294,13 @@ class LossOptions:
     falcon_glance: float | None = None  # Falcon CSGD's glancing ratio; None = one teacher-forced pass
     kl_weight: float = KL_WEIGHT  # weight of the token term against the SmoothL1 feature term(s)
     per_conversation: bool = False  # metrics gain "per_conversation" (held-out figures' intervals)
+    device_metrics: bool = False  # kl / smooth_l1 / top1 as 0-d tensors on the loss's device, not floats
 
 
 def distill_loss_rows(logits: torch.Tensor, target_logits: torch.Tensor,
                       l1_terms: list[tuple[torch.Tensor, torch.Tensor]],
-                      kl_weight: float = KL_WEIGHT, conversations: tuple[torch.Tensor, int] | None = None
-                      ) -> tuple[torch.Tensor, dict]:
+                      kl_weight: float = KL_WEIGHT, conversations: tuple[torch.Tensor, int] | None = None,
+                      device_metrics: bool = False) -> tuple[torch.Tensor, dict]:
     """kl_weight (EAGLE's 0.1 by default) * CE(softmax(target), drafter) + mean of SmoothL1 terms,
     averaged over the N rows (token-weighted). logits, target_logits: [N, V']; l1_terms:
     (prediction, target) pairs [N, E].
@@ -277,6 +308,11 @@ def distill_loss_rows(logits: torch.Tensor, target_logits: torch.Tensor,
     With `conversations` = (index [N] of each row's conversation in the batch, B), the metrics gain
     "per_conversation": B lists [rows, top-1 matches, summed loss], from which the held-out top-1
     and loss can be pooled over any resample of the conversations (`trainer.paired_heldout`).
+
+    The metrics kl, smooth_l1 and top1 are floats, or with `device_metrics` detached 0-d tensors
+    where the loss is: turning them into floats makes the host wait for the device, which a GPU
+    training step should do once every few steps, not three times per drafter per step (session
+    47's H200 profile: 24 synchronisations a step). "rows" is an int either way.
     """
     n = max(1, logits.shape[0])
     target_probs = torch.softmax(target_logits.float(), -1)
@@ -287,7 +323,8 @@ def distill_loss_rows(logits: torch.Tensor, target_logits: torch.Tensor,
     # max().indices, not argmax(): the same first-index tie rule, several times faster on a CPU over
     # [N, 8192] (argmax was ~13 ms of a 0.5 s step per call, AMX Xeon)
     hits = (logits.detach().max(-1).indices == target_logits.max(-1).indices).float()  # [N]
-    metrics = {"kl": kl.item(), "smooth_l1": l1.item(), "top1": (hits.sum() / n).item(), "rows": n}
+    metrics = {"kl": kl.detach(), "smooth_l1": l1.detach(), "top1": hits.sum() / n}
+    metrics = {**(metrics if device_metrics else {k: v.item() for k, v in metrics.items()}), "rows": n}
     if conversations is not None:
         index, count = conversations
         per = torch.zeros(count, 3, dtype=torch.float64, device=hits.device)
@@ -316,21 +353,20 @@ def moa_loss_batch(drafter, parts, target: TargetBatch, starts: torch.Tensor, op
             pred, truth = pred / opts.tli_scale, truth / opts.tli_scale
         terms.append((pred, truth))
     return distill_loss_rows(logits, target.logits, terms, kl_weight=opts.kl_weight,
-                             conversations=_conversations(opts, target, rows // target.batch.input_ids.shape[1]))
+                             conversations=_conversations(opts, target, rows // target.batch.input_ids.shape[1]),
+                             device_metrics=opts.device_metrics)
 
 
 def eagle_loss_batch(drafter, parts, target: TargetBatch, opts: LossOptions, dtype: torch.dtype,
                      gen: torch.Generator | None = None):
     """Position i (trained) is predicted by slot i - 1; position 0 has no slot."""
     pred = eagle_forward_batch(drafter, parts, target, dtype, opts.eagle_noise, gen)  # [B, T-1, E]
-    B, T = target.batch.input_ids.shape
-    b, t = target.rows // T, target.rows % T
-    keep = t >= 1
-    slots = pred[b[keep], t[keep] - 1]  # [N', E]
+    keep, b, t = target.batch.rows_from(1)
+    slots = pred[b, t - 1]  # [N', E]
     weight, bias = head_weight(parts.lm_head, opts.vocab)
     return distill_loss_rows(F.linear(slots, weight, bias), target.logits[keep],
-                             [(slots, target.final[b[keep], t[keep]])], kl_weight=opts.kl_weight,
-                             conversations=_conversations(opts, target, b[keep]))
+                             [(slots, target.final[b, t])], kl_weight=opts.kl_weight,
+                             conversations=_conversations(opts, target, b), device_metrics=opts.device_metrics)
 
 
 def falcon_forward_batch(drafter: FalconDrafter, parts: TargetParts, target: TargetBatch, dtype: torch.dtype,
@@ -373,53 +409,56 @@ def falcon_loss_batch(drafter, parts, target: TargetBatch, opts: LossOptions, dt
     B, T = target.batch.input_ids.shape
     offsets = [rng.randrange(FALCON_K) for _ in range(B)]
     true = target.final[:, :-1]
-    b, t = target.rows // T, target.rows % T
-    keep = t >= FALCON_K
-    b, t = b[keep], t[keep]
+    keep, b, t = target.batch.rows_from(FALCON_K)
     weight, bias = head_weight(parts.lm_head, opts.vocab)
     if opts.falcon_glance is None:
         slots = falcon_forward_batch(drafter, parts, target, dtype, offsets)[b, t - FALCON_K]
         return distill_loss_rows(F.linear(slots, weight, bias), target.logits[keep], [(slots, target.final[b, t])],
-                                 kl_weight=opts.kl_weight, conversations=_conversations(opts, target, b))
+                                 kl_weight=opts.kl_weight, conversations=_conversations(opts, target, b),
+                                 device_metrics=opts.device_metrics)
     with torch.no_grad():
         first = falcon_forward_batch(drafter, parts, target, dtype, offsets)
         wrong = (F.linear(first[b, t - FALCON_K], weight, bias).argmax(-1)
                  != target.logits[keep].argmax(-1)).float()
-        error = torch.zeros(B, device=wrong.device).index_add_(0, b, wrong) / torch.bincount(b, minlength=B).clamp_min(1)
+        # counts by index_add_, not bincount (which reads its input's max back from a GPU)
+        counts = torch.zeros(B, device=wrong.device).index_add_(0, b, torch.ones_like(wrong))
+        error = torch.zeros(B, device=wrong.device).index_add_(0, b, wrong) / counts.clamp_min(1)
     predicted = torch.cat([true[:, :FALCON_K], first[:, :-FALCON_K].to(true.dtype)], dim=1)
-    reveal = torch.ones(B, T - 1, dtype=torch.bool, device=true.device)
+    reveal = torch.ones(B, T - 1, dtype=torch.bool)  # built on the host, sent once
+    errors = error.tolist()  # one wait for the device, not one per conversation
     for row in range(B):
         ends = block_ends(T - 1, offsets[row])
-        p = min(1.0, opts.falcon_glance * float(error[row]))
-        chosen = {int(e): rng.random() < p for e in ends.unique()}
-        reveal[row] = torch.tensor([chosen[int(e)] for e in ends], device=true.device)
+        p = min(1.0, opts.falcon_glance * errors[row])
+        chosen = {e: rng.random() < p for e in ends.unique().tolist()}
+        reveal[row] = torch.tensor([chosen[e] for e in ends.tolist()])
+    reveal = to_device(reveal, true.device)
     out = falcon_forward_batch(drafter, parts, target, dtype, offsets, torch.where(reveal[..., None], true, predicted))
     slots = out[b, t - FALCON_K]
     return distill_loss_rows(F.linear(slots, weight, bias), target.logits[keep], [(slots, target.final[b, t])],
-                             kl_weight=opts.kl_weight, conversations=_conversations(opts, target, b))
+                             kl_weight=opts.kl_weight, conversations=_conversations(opts, target, b),
+                             device_metrics=opts.device_metrics)
 
 
 def tokenswift_loss_batch(heads, parts, target: TargetBatch, opts: LossOptions, dtype: torch.dtype):
     """TokenSwift's heads (seed 003 §2.2) by distillation: head i at position t predicts token
     t + 1 + i, so its rows are the trained positions p = t + i, judged against the target's
     distribution there, plus SmoothL1 of h_i against the target's own f_p. Pooled over the heads."""
-    B, T = target.batch.input_ids.shape
     hs = heads(target.final)  # [B, T, gamma, E]
-    b, p = target.rows // T, target.rows % T
     slots, wanted, feats, owners = [], [], [], []
     for i in range(1, hs.shape[2] + 1):
-        keep = p >= i
-        slots.append(hs[b[keep], p[keep] - i, i - 1])
+        keep, b, p = target.batch.rows_from(i)
+        slots.append(hs[b, p - i, i - 1])
         wanted.append(target.logits[keep])
-        feats.append(target.final[b[keep], p[keep]])
-        owners.append(b[keep])
+        feats.append(target.final[b, p])
+        owners.append(b)
     slots = torch.cat(slots)
     weight, bias = head_weight(parts.lm_head, opts.vocab)
     return distill_loss_rows(F.linear(slots, weight, bias), torch.cat(wanted), [(slots, torch.cat(feats))],
-                             kl_weight=opts.kl_weight, conversations=_conversations(opts, target, torch.cat(owners)))
+                             kl_weight=opts.kl_weight, conversations=_conversations(opts, target, torch.cat(owners)),
+                             device_metrics=opts.device_metrics)
 
 
 def tli_scale(target: TargetBatch, layer: int, floor: float = 1e-2) -> torch.Tensor:
     """Per-dimension RMS [E] of layer `layer`'s input over the batch's valid positions (fp32)."""
-    h = target.layer_inputs[layer][target.batch.valid].float()
+    h = target.layer_inputs[layer].flatten(0, 1)[target.batch.valid_rows].float()
     return h.pow(2).mean(0).sqrt().clamp_min(floor)

@@ -5,8 +5,10 @@ steps take as long as they do: kernel launches (MoA's LSA once ran in tens of th
 passes a step), host-device synchronisations, or the matmuls themselves. With N > 0 the trainer
 runs `torch.profiler` over its steps 2 .. N + 1 of this invocation (the first step is skipped: it
 pays allocator growth and kernel selection once) and writes `profile.txt` in the run folder:
-wall time per profiled step, operator calls per step (nested calls counted), and the operators by self time (CUDA
-time on a GPU, CPU time otherwise). The cost is those N steps running a little slower.
+wall time per profiled step, operator calls per step (nested calls counted), on a GPU the host's
+waits for the device per step (CUDA runtime synchronisations: `.item()`, boolean-mask indexing and
+copies from pageable memory each cost one, and a host that waits cannot queue the next kernels),
+and the operators by self time (CUDA time on a GPU, CPU time otherwise). The cost is those N steps running a little slower.
 """
 from __future__ import annotations
 
@@ -18,6 +20,15 @@ from torch.profiler import ProfilerActivity, profile, schedule
 
 SKIPPED = 1  # leading steps not profiled
 ROWS = 40  # operators listed
+
+
+def host_waits(events, steps: int) -> str:
+    """The CUDA runtime's synchronising calls in profiler `events`, per step: "total (name count,
+    ...)". One cudaDeviceSynchronize a step is the profiler's own (`StepProfiler._sync`)."""
+    waits = {e.key: e.count / max(1, steps) for e in events
+             if e.key.startswith("cuda") and ("Synchronize" in e.key or e.key in ("cudaMemcpy", "cudaMemcpy2D"))}
+    parts = ", ".join(f"{k} {v:g}" for k, v in sorted(waits.items(), key=lambda kv: -kv[1]))
+    return f"{sum(waits.values()):g}" + (f" ({parts})" if parts else "")
 
 
 class StepProfiler:
@@ -70,7 +81,8 @@ class StepProfiler:
         lines = [self.header, f"profiled steps: {len(self._step_s)}; wall s per step: {walls}; "
                               f"operators per step: {ops / n:.0f} (nested calls counted)", ""]
         if self.cuda:
-            lines.append(f"peak GPU memory allocated: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB\n")
+            lines.append(f"peak GPU memory allocated: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+            lines.append(f"host waits for the device per step: {host_waits(events, n)}\n")
         lines.append(f"by {sort}:")
         lines.append(events.table(sort_by=sort, row_limit=ROWS))
         if self.cuda:

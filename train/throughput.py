@@ -85,7 +85,7 @@ def fast_pass(cfg: TrainConfig, trainees: list[Trainee], model, examples: list[E
         with autocast:
             target = run_target_batch(model, batch, layer_inputs, vocab)
         for t in trainees:
-            opts = LossOptions(vocab=vocab, eagle_noise=EAGLE_NOISE)
+            opts = LossOptions(vocab=vocab, eagle_noise=EAGLE_NOISE, device_metrics=True)
             with autocast:
                 loss, _ = trainee_loss(cfg, t, target, opts, t.parts)
             t.optimizer.zero_grad(set_to_none=True)

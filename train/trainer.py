@@ -48,6 +48,7 @@ from .clock import RunClock
 from .data import Example, sharegpt_split, tokenize_conversation
 from .objectives import EAGLE_NOISE, KL_WEIGHT
 
+POSTFIX_EVERY = 16  # on a GPU, steps between reads of the training metrics (each read waits for the device)
 FALCON_GLANCE = 1.0  # CSGD: a block keeps its true features with probability min(1, this x pass 1's error rate)
 
 log = logging.getLogger(__name__)
@@ -560,10 +561,14 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
                 if profiler is not None:
                     profiler.step()
                 bar.update(1)
-                bar.set_postfix({name: f"{m['loss']:.2f}/{m['top1']:.2f}" for name, m in metrics.items()})
                 elapsed = start_s + clock.elapsed()
                 stopping = (bool(cfg.max_minutes) and elapsed >= 60 * cfg.max_minutes) or clock.stop_requested
-                if (cfg.eval_every and state["step"] % cfg.eval_every == 0) or state["step"] == total_steps or stopping:
+                evaluating = ((cfg.eval_every and state["step"] % cfg.eval_every == 0) or state["step"] == total_steps
+                              or stopping)
+                if evaluating or state["step"] % (1 if cfg.device == "cpu" else POSTFIX_EVERY) == 0:
+                    metrics = host_metrics(metrics)  # the only wait for the device in a step, if any
+                    bar.set_postfix({name: f"{m['loss']:.2f}/{m['top1']:.2f}" for name, m in metrics.items()})
+                if evaluating:
                     state["elapsed_s"] = elapsed
                     for t in trainees:
                         record = {"step": state["step"], "tokens": state["tokens"],
@@ -696,6 +701,8 @@ class AccumulatedStep:
     equals one over the whole batch (up to padding, which changes only rounding; tested), and so
     do the metrics (row-weighted means). Clipping and the optimizer step follow the last micro-batch.
     With `whole` (the batch in one forward) the loss is back-propagated as it is, as before micro-batches.
+    Nothing here waits for the device: the metrics stay 0-d tensors where the loss is until
+    `host_metrics` reads them (the trainer, every `POSTFIX_EVERY` steps on a GPU).
     """
 
     def __init__(self, cfg: TrainConfig, t: Trainee, step: int, total: int, whole: bool = False):
@@ -711,18 +718,19 @@ class AccumulatedStep:
             t.scale = tli_scale(target, t.parts.first_tli_layer)  # from the run's first micro-batch
         opts = LossOptions(vocab=vocab, tli_scale=t.scale if cfg.tli_norm else None,
                            sa_window=sa_window(cfg, self.step, self.total), eagle_noise=EAGLE_NOISE,
-                           falcon_glance=FALCON_GLANCE, kl_weight=cfg.kl_weight)
+                           falcon_glance=FALCON_GLANCE, kl_weight=cfg.kl_weight, device_metrics=True)
         with _autocast(cfg):
             loss, metrics = trainee_loss(cfg, t, target, opts, t.parts)
-        rows = int(metrics["rows"])
+        rows = metrics["rows"]
         (loss if self.whole else loss * rows).backward()
         self.rows += rows
-        for k, v in {"loss": loss.item(), **metrics}.items():
+        for k, v in {"loss": loss.detach(), **metrics}.items():
             if k != "rows":
                 self.sums[k] = self.sums.get(k, 0.0) + v * rows
 
     def finish(self) -> dict:
-        """Take the optimizer step; returns the batch's row-weighted metrics."""
+        """Take the optimizer step; returns the batch's row-weighted metrics (0-d tensors on the
+        training device, and "rows"; `host_metrics` makes them floats)."""
         t, n = self.t, max(self.rows, 1)
         if not self.whole:
             for p in t.drafter.parameters():
@@ -731,6 +739,15 @@ class AccumulatedStep:
         torch.nn.utils.clip_grad_norm_(t.drafter.parameters(), 1.0)
         t.optimizer.step()
         return {**{k: v / n for k, v in self.sums.items()}, "rows": self.rows}
+
+
+def host_metrics(metrics: dict[str, dict]) -> dict[str, dict]:
+    """{drafter: `AccumulatedStep.finish` metrics} with every tensor value a float, read from the
+    device in one transfer (one wait for it, however many drafters and metrics)."""
+    tensors = [v for m in metrics.values() for v in m.values() if isinstance(v, torch.Tensor)]
+    values = iter(torch.stack([v.float() for v in tensors]).tolist() if tensors else [])
+    return {name: {k: next(values) if isinstance(v, torch.Tensor) else v for k, v in m.items()}
+            for name, m in metrics.items()}
 
 
 @torch.no_grad()
