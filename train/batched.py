@@ -54,11 +54,10 @@ class Batch:
     for a GPU (boolean-mask indexing does: its `nonzero` is a host-device synchronisation)."""
 
     input_ids: torch.Tensor  # [B, T] (pads are 0)
-    valid: torch.Tensor  # [B, T] bool
-    trained: torch.Tensor  # [B, T] bool: the next token belongs to an assistant turn
     examples: list[Example]
     valid_rows: torch.Tensor  # [Nv] ascending flat indices of real tokens (on the batch's device)
-    trained_rows: torch.Tensor  # [N] ascending flat indices of trained positions (on the batch's device)
+    trained_rows: torch.Tensor  # [N] ascending flat indices of positions whose next token belongs to an
+    #                             assistant turn (on the batch's device)
     trained_rows_host: torch.Tensor  # the same [N] on the CPU, for index arithmetic on the host
 
     @property
@@ -81,11 +80,9 @@ def to_device(tensor: torch.Tensor, device: str | torch.device) -> torch.Tensor:
     """A host tensor on `device`; to a GPU through pinned memory without blocking (a plain copy
     from pageable memory waits for the device's queue to drain)."""
     device = torch.device(device)
-    if device.type == "cpu":
-        return tensor.to(device)
     if device.type == "cuda":
-        tensor = tensor.pin_memory()
-    return tensor.to(device, non_blocking=True)
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def make_batch(examples: list[Example], device: str | torch.device = "cpu") -> Batch:
@@ -100,9 +97,10 @@ def make_batch(examples: list[Example], device: str | torch.device = "cpu") -> B
         ids[b, :n] = e.input_ids
         valid[b, :n] = True
         trained[b, : n - 1] = e.loss_mask[1:]
-    host = [torch.from_numpy(x) for x in (ids, valid, trained, np.flatnonzero(valid), np.flatnonzero(trained))]
-    return Batch(*(to_device(x, device) for x in host[:3]), examples, *(to_device(x, device) for x in host[3:]),
-                 host[4])
+    trained_rows = torch.from_numpy(np.flatnonzero(trained))
+    return Batch(to_device(torch.from_numpy(ids), device), examples,
+                 to_device(torch.from_numpy(np.flatnonzero(valid)), device), to_device(trained_rows, device),
+                 trained_rows)
 
 
 def bucketed_order(lengths: list[int], batch: int, seed: int, pool: int = 64) -> list[list[int]]:
