@@ -113,9 +113,10 @@ HOST_WAITS = ("aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten:
 @pytest.mark.parametrize("job", [DrafterJob("moa"), DrafterJob("moa", 1), DrafterJob("eagle2"), DrafterJob("falcon"),
                                  DrafterJob("tokenswift")], ids=str)
 def test_a_training_step_never_waits_for_the_device(stories, job):
-    """Scoring a batch, back-propagating and the optimizer step issue no operator that would make
-    the host wait for a GPU (session 47's H200 step waited 24 times: `.item()` of every metric,
-    boolean-mask indexing), and the metrics, read once afterwards, are those of a float-metric pass.
+    """Making a batch, the target's pass over it, scoring it, back-propagating and the optimizer step
+    issue no operator that would make the host wait for a GPU (session 47's H200 step waited 24
+    times: `.item()` of every metric, boolean-mask indexing), and the metrics, read once afterwards,
+    are those of a float-metric pass.
     Counted on the CPU, so what it cannot see is a `.tolist()` (no operator on a CPU tensor; Falcon's
     CSGD makes one a step to draw its glances) and host-to-device copies (`to_device` pins them)."""
     from torch.profiler import ProfilerActivity, profile
@@ -133,7 +134,10 @@ def test_a_training_step_never_waits_for_the_device(stories, job):
                         torch.optim.SGD(drafter.parameters(), lr=0.0), random.Random(1), torch.Generator(), None)
     if job.tli:
         t.scale = torch.ones(model.config.hidden_size)
-    target = run_target_batch(model, make_batch(chosen), layers)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:  # the batch and the frozen target's pass
+        target = run_target_batch(model, make_batch(chosen), layers)
+    waits = {e.key: e.count for e in prof.key_averages() if e.key in HOST_WAITS}
+    assert waits == {}, waits
     state = t.rng.getstate(), t.gen.get_state()
     opts = LossOptions(sa_window=sa_window(cfg, 0, 10), eagle_noise=trainer.EAGLE_NOISE,
                        falcon_glance=trainer.FALCON_GLANCE, kl_weight=cfg.kl_weight,
