@@ -30,7 +30,7 @@ def cmd_demo(args) -> None:
     prompts = demo_prompts(args.limit, args.spec_bench)
     drafter = DrafterSpec.parse(args.drafter or "auto")
     # the shipped MoA drafter runs its LSA on the server: E values per token cross the wire, not every
-    # layer's K/V (20x fewer bytes, same drafts; see the README's measured table)
+    # layer's K/V (20x fewer bytes, same drafts; docs/benchmarks.md, "Feature quantization and LSA placement")
     lsa_on_server = drafter.name in ("auto", "moa") and has_shipped_checkpoint(args.target)
     port = free_port()
     print(f"starting the verify service for {args.target} on 127.0.0.1:{port} ...", flush=True)

@@ -367,7 +367,7 @@ def _compiled_row(name: str, model, args, eager: dict[int, tuple[float, torch.Te
     Only the steady state of a forward already compiled for these shapes is timed. Serving one
     would also pay recompiles: Dynamo specialises sizes 0 and 1 (tree width, batch) and guards on
     the cache tensors' strides (which `kv.keep_rows` changes) and on hidden-state output, each a
-    compile of tens of seconds on a 2-core CPU (README, "The cost of one verify step").
+    compile of tens of seconds on a 2-core CPU (docs/serving.md, "The cost of one verify step").
     """
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # fp32 and bf16 share forward's code
     compiled = torch.compile(model.forward, dynamic=True)

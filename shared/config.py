@@ -154,7 +154,7 @@ class TreeConfig:
     verify the `max_nodes` best nodes overall.
 
     Defaults (depth 2, top-2, 4 nodes) were measured on the project's 2-core CPU with the shipped
-    SmolLM2-135M drafters (README, "Draft trees on a 2-core CPU"): each tree level costs a drafter
+    SmolLM2-135M drafters (docs/results.md, "Draft trees on a 2-core CPU"): each tree level costs a drafter
     pass, while these drafters' tokens past depth 2 are rarely accepted. Among 5x4x24, 4x3x12, 4x2x8,
     3x2x6, 5x2x10, 2x3x5, 3x1x3 and 2x2x4 the last was fastest single-device and over the 4g link
     when a 5-position verify cost ~1.6-1.9 decode steps; with prepacked linears (a 5-position verify

@@ -59,7 +59,7 @@ class SwiftConfig:
     """SWIFT's settings (paper defaults in ../shared/docs/ANCHORS.md, "SWIFT").
 
     ratio: share of the decoder layers skipped while drafting (paper 0.45-0.5 for 13B-70B models; a
-        30-layer 135M model has less to spare, see the README's SWIFT section for the measurement).
+        30-layer 135M model has less to spare, see docs/methods.md, "SWIFT", for the measurement).
     window: verified target-generated tokens the matchness is computed over (paper 32-50).
     bo_every: every this many optimisation steps is a Bayesian-optimisation step (paper 25); the
         others are random search.
