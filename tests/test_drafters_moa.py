@@ -68,6 +68,28 @@ def test_t_step_bounded(stories, tli):
     assert not torch.allclose(before[e:], after[e:], atol=1e-4)
 
 
+
+def test_cross_attention_without_a_mask_equals_an_all_visible_mask(stories):
+    """Drafting passes no CA mask (every memory position is verified): SDPA's grouped-query path must
+    give what the masked path with keys repeated per head gives for an all-zero mask."""
+    model, _, _ = stories
+    cfg = MoAConfig.from_target(model.config)
+    assert cfg.num_heads > cfg.num_kv_heads  # grouped heads: the case the unmasked path changes
+    torch.manual_seed(0)
+    drafter = MoADrafter(cfg).eval()
+    memory, positions = torch.randn(40, cfg.hidden_size), torch.arange(40)
+    keys, values = drafter.memory_kv(memory, positions)
+    hidden, query_positions = torch.randn(1, 3, cfg.hidden_size), torch.tensor([[40, 41, 41]])
+    rope = drafter.rotary(hidden, query_positions)
+    with torch.no_grad():
+        unmasked = drafter.ca(hidden, rope, keys, values, None)
+        visible = drafter.ca(hidden, rope, keys, values, torch.zeros(1, 1, 3, 40))
+        hidden_mask = torch.zeros(1, 1, 3, 40)
+        hidden_mask[..., 20:] = torch.finfo(torch.float32).min
+        partial = drafter.ca(hidden, rope, keys, values, hidden_mask)
+    torch.testing.assert_close(unmasked, visible, atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(unmasked, partial, atol=1e-3)  # the mask is applied where given
+
 class Recorder:
     """Wraps a drafter and records its proposals."""
 

@@ -90,8 +90,8 @@ class MoARuntime(Drafter):
         """SA + CA over `tokens` (appended to the SA cache); the last q = tli_mask.shape[2] rows go
         through the TLI layers (appended to the TLI cache) and the LM head: logits [q, V]."""
         embeds = self.parts.embed(torch.tensor([tokens]))
-        ca_mask = torch.zeros(1, 1, len(tokens), self.mem_keys.shape[2], dtype=self.dtype)
-        o = self.module(embeds, positions, sa_mask, self.mem_keys, self.mem_values, ca_mask, self.sa_cache)
+        # CA: every row sees the whole memory (verified positions only), so no mask
+        o = self.module(embeds, positions, sa_mask, self.mem_keys, self.mem_values, None, self.sa_cache)
         rows = tli_mask.shape[2]
         logits, _ = self.parts.logits(o[:, -rows:], positions[:, -rows:], tli_mask, self.tli_cache)
         return logits[0].float()
