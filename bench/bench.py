@@ -15,6 +15,7 @@ plots: bench/report.py; the command line: bench/cli.py.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import platform
@@ -325,7 +326,8 @@ def run_arms(cfg: BenchConfig, prompts: list[dict], arms: list[Arm], model, toke
             sampling = cfg.sampling if cfg.sampling.greedy else replace(cfg.sampling, seed=cfg.sampling.seed + i)
             bar.set_postfix_str(f"{prompt['category']} generate()")
             ref, record = run_baseline(model, ids, cfg.max_new_tokens, eos, sampling)
-            records.append(replace(record, category=prompt["category"], id=prompt["id"], details=facts))
+            records.append(replace(record, category=prompt["category"], id=prompt["id"],
+                                   details={**facts, **record.details}))
             bar.update()
             for arm in arms:
                 bar.set_postfix_str(f"{prompt['category']} {arm.label}")
@@ -334,6 +336,13 @@ def run_arms(cfg: BenchConfig, prompts: list[dict], arms: list[Arm], model, toke
                                        details={**facts, **record.details}))
                 bar.update()
     return records
+
+
+def answer_digest(tokens: list[int]) -> str:
+    """A fingerprint of an answer's token ids: 16 hex digits of SHA-1 over them, written to
+    results.jsonl as `answer_digest` so that two runs, or two arms, can be compared answer by answer
+    (a seeded sampled run against its repeat) without the text."""
+    return hashlib.sha1(json.dumps(list(tokens)).encode()).hexdigest()[:16]
 
 
 def run_baseline(model, ids: list[int], max_new_tokens: int, eos: list[int],
@@ -348,7 +357,8 @@ def run_baseline(model, ids: list[int], max_new_tokens: int, eos: list[int],
     answer = AnswerRecord(len(out), len(out), round(elapsed, 4))
     return out, BenchRecord("local", BASELINE, None, "", "", answer, tuple(latencies["itl_ms"]), latencies["ttft_ms"],
                             True if sampling.greedy else None,  # a sample is nobody's reference
-                            details={"tokens_per_s": round(len(out) / elapsed, 3), "tau": 1.0})
+                            details={"tokens_per_s": round(len(out) / elapsed, 3), "tau": 1.0,
+                                     "answer_digest": answer_digest(out)})
 
 
 def run_arm(arm: Arm, ids: list[int], max_new_tokens: int, reference: list[int],
@@ -363,7 +373,7 @@ def run_arm(arm: Arm, ids: list[int], max_new_tokens: int, reference: list[int],
     answer = replace(s.record(), elapsed_s=round(s.elapsed_s, 3), server_ms=round(s.server_ms, 3))
     latencies = clock.latencies()
     details = {**s.as_dict(), "server_forward_ms": round(sum(c.server_forward_ms for c in s.calls), 3),
-               "rtt_ms": round(s.rtt_ms, 3)}
+               "rtt_ms": round(s.rtt_ms, 3), "answer_digest": answer_digest(gen.tokens)}
     return BenchRecord(arm.mode, arm.method, arm.profile, "", "", answer, tuple(latencies["itl_ms"]),
                        latencies["ttft_ms"], gen.tokens == reference if sampling.greedy else None, arm.backend,
                        arm.link, arm.lsa, arm.quant,

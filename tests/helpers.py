@@ -3,6 +3,7 @@ the target-only greedy reference, an oracle drafter, a verifier whose link fails
 stream-event log, and zstd decompression bombs."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from pathlib import Path
@@ -38,6 +39,18 @@ def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
     """Target-only greedy decoding with transformers' generate(), EOS disabled: `n` tokens."""
     return target_greedy(model, prompt, n)
 
+
+
+def check_seeded_sampling(generate, sampling) -> None:
+    """What a sampled speculative answer can be checked for one answer at a time (the distribution
+    itself is tests/test_sampling_e2e.py's): `generate(sampling)` (a fresh decoder each call, so the
+    drafter's own random stream starts over) gives the same tokens again for the same seed and other
+    tokens for another seed, and drafts were accepted (fewer target calls than tokens)."""
+    first, again = generate(sampling), generate(sampling)
+    other = generate(dataclasses.replace(sampling, seed=sampling.seed + 1))
+    assert first.tokens == again.tokens
+    assert first.tokens != other.tokens
+    assert first.stats.new_tokens > first.stats.target_calls
 
 class OracleDrafter(Drafter):
     """Knows the reference continuation. `right=True`: each depth holds the correct token, placed

@@ -322,19 +322,22 @@ def test_bench_small_behind_lan_link(stories_path, tmp_path, capsys):
 
 def test_bench_sampled_single_device(stories_path, tmp_path):
     """A sampled run end to end: every method samples, nothing is compared per answer, and the
-    table says so; the same command gives the same answers (seeded)."""
+    table says so; the same command gives the same answers (seeded: the answers' token ids, by
+    their digests), and another --seed other answers."""
     runs = []
-    for name in ("a", "b"):
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
         out = tmp_path / name
         assert main(["bench", "--target", str(stories_path), "--methods", "", "--local-methods", "none,ngram",
                      "--datasets", "humaneval", "--limit", "2", "--max-new-tokens", "12", "--threads", "1",
-                     "--temperature", "0.9", "--top-p", "0.95", "--out", str(out)]) == 0
+                     "--temperature", "0.9", "--top-p", "0.95", "--seed", str(seed), "--out", str(out)]) == 0
         runs.append([json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()])
     rows = runs[0]
     assert {r["method"] for r in rows} == {"generate()", "none", "ngram"}
     assert all(r["exact"] is None for r in rows)  # generate()'s sample is no reference either
     assert all(0 < r["new_tokens"] <= 12 for r in rows)
-    assert [r["new_tokens"] for r in rows] == [r["new_tokens"] for r in runs[1]]
+    digests = [[(r["method"], r["id"], r["answer_digest"]) for r in run] for run in runs]
+    assert digests[0] == digests[1]
+    assert digests[0] != digests[2]  # the seed reaches the answers
     table = (tmp_path / "a" / "table.md").read_text()
     assert "sampled (temperature 0.9, top-p 0.95, answer i seeded 0 + i)" in table and "| sampled |" in table
     assert "/2 |" not in table and "### Goals (sampled," in table

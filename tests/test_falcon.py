@@ -22,7 +22,7 @@ from splitspec.shared.sampling import SamplingParams
 from splitspec.train.batched import LossOptions, falcon_forward_batch, falcon_loss_batch, make_batch, run_target_batch
 from splitspec.train.data import Example
 
-from .helpers import reference_greedy
+from .helpers import check_seeded_sampling, reference_greedy
 
 
 @pytest.fixture(scope="module")
@@ -101,15 +101,19 @@ def test_tree_needs_half_the_forwards(stories, falcon):
 
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, seed=3)], ids=["greedy", "sampled"])
 def test_decoding_with_falcon_is_exact(stories, falcon, sampling):
+    """Greedy: the target's own tokens; sampled: seeded, see `check_seeded_sampling`."""
     model, tokenizer, model_id = stories
     prompt = tokenizer("Tom had a big red ball. He")["input_ids"]
-    runtime = FalconRuntime(falcon, TargetParts(model, 0), TreeConfig(depth=4, top_b=3, max_nodes=10))
-    gen = SpeculativeDecoder(LocalVerifier(TargetRunner(model, tokenizer, model_id)), runtime).generate(
-        prompt, 40, sampling, stop_on_eos=False)
+
+    def generate(sampling):
+        runtime = FalconRuntime(falcon, TargetParts(model, 0), TreeConfig(depth=4, top_b=3, max_nodes=10))
+        return SpeculativeDecoder(LocalVerifier(TargetRunner(model, tokenizer, model_id)), runtime).generate(
+            prompt, 40, sampling, stop_on_eos=False)
+
     if sampling.greedy:
-        assert gen.tokens == reference_greedy(model, prompt, 40)
+        assert generate(sampling).tokens == reference_greedy(model, prompt, 40)
     else:
-        assert len(gen.tokens) == 40
+        check_seeded_sampling(generate, sampling)
 
 
 def test_csgd_glances_more_when_pass_one_errs(stories, falcon):

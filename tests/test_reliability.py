@@ -254,12 +254,23 @@ def test_extreme_temperatures_served(spied, serve):
     runner, spy, fp = spied
     server = serve(runner)
     channel, stub = _stub(server.address)
+
+    def served(sampling: pb.SamplingParams) -> list[tuple]:
+        """The open's first token, then each step's accepted and bonus tokens."""
+        opened = _open(stub, fp, sampling=sampling)
+        out = [(opened.first_token,)]
+        for step in (1, 2):
+            reply = _verify(stub, opened.session_id, step, tokens=(5,), parents=(-1,), probs=_draft_probs())
+            assert reply.step == step and 0 <= reply.bonus_token < 512
+            out.append((tuple(reply.accepted_tokens), reply.bonus_token))
+        return out
+
+    greedy = served(pb.SamplingParams(temperature=0.0))
     for temperature, top_p in ((1e-45, 1.0), (1e-38, 0.9), (3e-38, 1e-45), (9.9e-6, 1.0), (1e-5, 1e-38),
                                (FLT_MAX, 1.0)):
-        sid = _open(stub, fp, sampling=pb.SamplingParams(temperature=temperature, top_p=top_p, seed=5)).session_id
-        for step in (1, 2):
-            reply = _verify(stub, sid, step, tokens=(5,), parents=(-1,), probs=_draft_probs())
-            assert reply.step == step and 0 <= reply.bonus_token < 512
+        answer = served(pb.SamplingParams(temperature=temperature, top_p=top_p, seed=5))
+        if temperature < 1e-5:  # below the floor: greedy, whatever top_p says
+            assert answer == greedy, temperature
     channel.close()
 
 

@@ -19,7 +19,7 @@ from splitspec.shared.features import FeatureBatch
 from splitspec.shared.sampling import SamplingParams
 from splitspec.shared.tree import DraftTree
 
-from .helpers import reference_greedy
+from .helpers import check_seeded_sampling, reference_greedy
 
 
 def test_heads_chain_with_residuals():
@@ -58,7 +58,7 @@ def test_greedy_trees_get_ngram_chains_sampled_ones_do_not(stories):
     greedy = runtime.propose(context, DraftLimits(max_depth=3, max_nodes=8), SamplingParams()).tree
     assert len(greedy.tokens) <= 8 and {(8, 9), (8, 10)} <= _chains(greedy)
     sampled = runtime.propose(context, DraftLimits(max_depth=3, max_nodes=8), SamplingParams(temperature=1.0)).tree
-    assert len(sampled.tokens) == 8 and not {(8, 9), (8, 10)} <= _chains(sampled)  # the heads' tree alone
+    assert len(sampled.tokens) == 8 and not {(8, 9), (8, 10)} & _chains(sampled)  # the heads' tree alone
 
 
 def _chains(tree: DraftTree) -> set[tuple[int, ...]]:
@@ -71,21 +71,26 @@ def _chains(tree: DraftTree) -> set[tuple[int, ...]]:
 
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, seed=3)], ids=["greedy", "sampled"])
 def test_decoding_with_tokenswift_is_exact(stories, sampling):
-    """Random heads and n-gram chains on a repetitive story: drafts accepted and rejected, output exact."""
+    """Random heads and n-gram chains on a repetitive story: drafts accepted and rejected, output exact
+    (greedy: the target's own tokens; sampled: seeded, see `check_seeded_sampling`)."""
     model, tokenizer, model_id = stories
     torch.manual_seed(0)
     heads = TokenSwiftHeads(TokenSwiftConfig.from_target(model.config))
     for layer in heads.layers:
         torch.nn.init.normal_(layer.weight, std=0.02)
     prompt = tokenizer("Tom had a big red ball. Tom had a big red ball. Tom had a big red ball. Tom")["input_ids"]
-    runtime = TokenSwiftRuntime(heads, TargetParts(model, 0), TreeConfig(depth=3, top_b=2, max_nodes=10))
-    gen = SpeculativeDecoder(LocalVerifier(TargetRunner(model, tokenizer, model_id)), runtime).generate(
-        prompt, 48, sampling, stop_on_eos=False)
+
+    def generate(sampling):
+        runtime = TokenSwiftRuntime(heads, TargetParts(model, 0), TreeConfig(depth=3, top_b=2, max_nodes=10))
+        return SpeculativeDecoder(LocalVerifier(TargetRunner(model, tokenizer, model_id)), runtime).generate(
+            prompt, 48, sampling, stop_on_eos=False)
+
     if sampling.greedy:
+        gen = generate(sampling)
         assert gen.tokens == reference_greedy(model, prompt, 48)
         assert gen.stats.new_tokens > gen.stats.target_calls  # some drafts were accepted
     else:
-        assert len(gen.tokens) == 48
+        check_seeded_sampling(generate, sampling)
 
 
 def test_spec_names_tokenswift():
@@ -125,3 +130,22 @@ def _penalised_greedy(model, prompt, n, penalty, window):
 def test_bad_penalties_are_refused(bad):
     with pytest.raises(ValueError, match="penalty"):
         SamplingParams(**bad)
+
+
+def test_contextual_penalty_is_ctrls_repetition_penalty_over_the_window():
+    """The penalty itself, against a hand computation and against transformers' own repetition
+    penalty (CTRL's rule over the whole sequence) when the window holds the whole sequence; the
+    exactness tests above share this function with their reference, so they cannot see its rule."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from splitspec.shared.sampling import apply_contextual_penalty
+
+    out = apply_contextual_penalty(torch.tensor([[2.0, -2.0, 1.0], [2.0, -2.0, 1.0]]), [[0, 1, 1], []], 2.0)
+    assert out.tolist() == [[1.0, -4.0, 1.0], [2.0, -2.0, 1.0]]  # repeats count once; an empty window changes nothing
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=generator)
+    sequences = torch.randint(0, 50, (3, 12), generator=generator)
+    expected = RepetitionPenaltyLogitsProcessor(penalty=1.3)(sequences, logits.clone())
+    torch.testing.assert_close(apply_contextual_penalty(logits, sequences.tolist(), 1.3), expected)
+    last4 = apply_contextual_penalty(logits, [row[-4:] for row in sequences.tolist()], 1.3)
+    assert not torch.equal(last4, expected)  # only the window's tokens are penalised
