@@ -159,3 +159,24 @@ def test_sampling_one_hot_proposals():
     p = warp_probs(logits[0], PARAMS)
     empirical = _first_tokens_distribution(tree, logits, PARAMS, {}, 6000, seed=5)
     assert 0.5 * (empirical - p).abs().sum() < 0.02, (empirical, p)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 1.7])
+@pytest.mark.parametrize("top_k", [0, 1, 5])
+@pytest.mark.parametrize("top_p", [1.0, 0.9, 0.5, 0.05])
+def test_warped_probabilities_equal_transformers_sampling(temperature, top_k, top_p):
+    """The distribution every sampling test takes as the target's (`warp_probs`) is the one
+    transformers' `generate(do_sample=True)` samples from: its temperature, top-k and top-p warpers,
+    in that order (random logits: no ties at the cut-offs)."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    logits = torch.randn(6, 64, generator=torch.Generator().manual_seed(0)) * 3
+    warped = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        warped = TopKLogitsWarper(top_k)(None, warped)
+    if top_p < 1.0:
+        warped = TopPLogitsWarper(top_p)(None, warped)
+    expected = torch.softmax(warped, dim=-1)
+    got = warp_probs(logits, SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k))
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+    assert torch.equal(got > 0, expected > 0)  # the same tokens kept

@@ -53,6 +53,10 @@ def test_sampling_is_seeded(stories_path, capsys):
             "--max-new-tokens", "20", "--temperature", "0.9", "--top-p", "0.9", "--seed", "7", "--json"]
     first = json.loads(_run(capsys, argv)[1])["token_ids"]
     assert json.loads(_run(capsys, argv)[1])["token_ids"] == first
+    # and the options reach the decoding: another seed samples other tokens, and these are not greedy's
+    other_seed = json.loads(_run(capsys, argv[:-3] + ["--seed", "8", "--json"])[1])["token_ids"]
+    greedy = json.loads(_run(capsys, argv[:argv.index("--temperature")] + ["--json"])[1])["token_ids"]
+    assert other_seed != first and greedy != first
 
 
 def test_chat_commands_and_history(stories_path, monkeypatch, capsys, tmp_path):
