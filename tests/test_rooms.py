@@ -52,3 +52,17 @@ def test_rooms_import_only_what_they_may():
     for room, allowed in MAY_IMPORT.items():
         assert set(graph[room]) <= allowed, f"{room} imports {sorted(set(graph[room]) - allowed)}"
     assert import_graph.cycles(graph) == []
+
+
+def test_a_relative_import_out_of_its_room_is_an_edge(tmp_path):
+    """`from ...server import runner` in client/daemon/ reaches the server as surely as the absolute
+    form; relative imports inside the room are no edge."""
+    spec = importlib.util.spec_from_file_location("import_graph", ROOT / "tools" / "import_graph.py")
+    import_graph = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(import_graph)
+    (tmp_path / "client" / "daemon").mkdir(parents=True)
+    (tmp_path / "client" / "loop.py").write_text("from .drafters import base\nfrom . import plan\n")
+    (tmp_path / "client" / "daemon" / "app.py").write_text(
+        "from ..loop import x\n\ndef f():\n    from ...server import runner\n    from ... import shared\n")
+    graph = import_graph.room_graph(tmp_path)
+    assert dict(graph["client"]) == {"server": [0, 1], "shared": [0, 1]}

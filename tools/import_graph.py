@@ -3,7 +3,8 @@
 A room is a top-level folder whose modules install as `splitspec.<room>` (client, server, shared,
 train, netsim, bench, cli, v1 = proto/splitspec/v1). Every `import splitspec.X...` or
 `from splitspec.X... import` in a room's .py files, at module level or inside a function, is an
-edge room -> X; relative imports stay inside their room. Nothing is imported or run.
+edge room -> X, and so is a relative import that climbs out of its room (`from ...server import x`
+in client/daemon/, resolved against the file's package). Nothing is imported or run.
 
     python tools/import_graph.py [CHECKOUT]      (default: the checkout holding this script)
 
@@ -21,8 +22,9 @@ ROOMS = {"client": "client", "server": "server", "shared": "shared", "train": "t
          "bench": "bench", "cli": "cli", "proto/splitspec/v1": "v1"}
 
 
-def imported_rooms(path: Path) -> list[tuple[str, bool]]:
-    """(room, at module level) for each splitspec import in the file at `path`."""
+def imported_rooms(path: Path, package: tuple[str, ...] = ()) -> list[tuple[str, bool]]:
+    """(room, at module level) for each splitspec import in the file at `path`; `package` (e.g.
+    ("splitspec", "client", "daemon")) resolves its relative imports, which are skipped without it."""
     tree = ast.parse(path.read_text(), str(path))
     top_level = {id(node) for node in tree.body}
     found = []
@@ -32,6 +34,9 @@ def imported_rooms(path: Path) -> list[tuple[str, bool]]:
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names = [node.module]
+        elif isinstance(node, ast.ImportFrom) and node.level > 0 and len(package) >= node.level:
+            base = list(package[:len(package) - node.level + 1])  # level 1: the file's own package
+            names = [".".join(base + [node.module])] if node.module else [".".join(base + [a.name]) for a in node.names]
         for name in names:
             parts = name.split(".")
             if parts[0] == "splitspec" and len(parts) > 1:
@@ -55,10 +60,12 @@ def room_files(root: Path) -> dict[str, list[Path]]:
 def room_graph(root: Path) -> dict[str, dict[str, list[int]]]:
     """room -> other room -> [module-level imports, imports inside functions]."""
     graph: dict[str, dict[str, list[int]]] = {}
+    folders = {room: folder for folder, room in ROOMS.items()}
     for room, paths in room_files(root).items():
         edges = graph.setdefault(room, defaultdict(lambda: [0, 0]))
         for path in paths:
-            for other, top in imported_rooms(path):
+            package = ("splitspec", room, *path.relative_to(root / folders[room]).parent.parts)
+            for other, top in imported_rooms(path, package):
                 if other != room:
                     edges[other][0 if top else 1] += 1
     return graph
