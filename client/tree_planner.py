@@ -345,6 +345,9 @@ class TreePlanner:
         return step
 
     def candidates(self, max_depth: int, max_nodes: int) -> list[TreeConfig]:
+        """The shapes (depth D, top-B, nodes N) of the config's grid with D <= `max_depth`,
+        N <= `max_nodes` and D <= N <= D * B (a tree of depth D holds at least D nodes and at most B
+        per level); [1x1x1] when none fits, even for limits below 1."""
         cfg = self.config
         out = [TreeConfig(d, b, n) for d in cfg.depths for b in cfg.top_bs for n in cfg.node_counts
                if d <= max_depth and n <= max_nodes and d <= n <= d * b]

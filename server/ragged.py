@@ -72,6 +72,8 @@ class RaggedCache(DynamicCache):
         return RaggedKV(keys, self.rows, masks), RaggedKV(values, self.rows, masks)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Always raises TypeError: a ragged forward holds one length per session, so its callers
+        pass explicit `position_ids` and masks."""
         raise TypeError("a ragged forward has no single sequence length; pass position_ids")
 
 
@@ -109,7 +111,11 @@ AttentionMaskInterface.register(RAGGED, sdpa_mask)
 
 def enable(model) -> bool:
     """Switch `model` to `RAGGED` attention if it runs transformers' SDPA attention now (its output
-    is unchanged outside ragged forwards); True if the model can be batched raggedly."""
+    is unchanged outside ragged forwards); True if the model can be batched raggedly.
+
+    What is checked: `config._attn_implementation` is "sdpa" and the config sets no
+    `attn_logit_softcapping`; a model whose attention SDPA cannot express (sinks, soft-capping) is
+    expected not to run SDPA in the first place. Mutates `model.config` in place."""
     implementation = getattr(model.config, "_attn_implementation", None)
     if implementation == RAGGED:
         return True

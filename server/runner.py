@@ -58,7 +58,13 @@ class TargetRunner:
         compute for clients that place LSA on the server. `use_graphs`: one-session verify steps of up
         to `graphs.MAX_ROWS` rows run as fixed-shape forwards (server/graphs.py), replayed from CUDA
         graphs on a GPU; on a CPU the fixed-shape forward runs eagerly (slower: it attends over the
-        whole storage), which is for tests."""
+        whole storage), which is for tests.
+
+        Raises:
+            kv.UnsupportedCache: attention kinds the verifier cannot serve (chunked, linear, state-space
+                layers), refused here, at load, rather than mid-session.
+            ValueError: `use_graphs` with dynamic rotary scaling (server/graphs.py).
+        """
         self.lsa_modules = dict(lsa_modules or {})
         self.model = model
         self.tokenizer = tokenizer
@@ -78,6 +84,7 @@ class TargetRunner:
 
     @property
     def max_positions(self) -> int:
+        """The longest context in tokens: the model's `max_position_embeddings` (2048 without one)."""
         return int(getattr(self.config, "max_position_embeddings", 2048))
 
     def _elapsed_ms(self, start: float) -> float:
@@ -98,6 +105,10 @@ class TargetRunner:
     def open(self, prompt_ids: list[int], sampling: SamplingParams, features: FeatureRequest
              ) -> tuple[TargetSession, FeatureBatch, float]:
         """Prefill the prompt [P] and draw the first token.
+
+        Expects what the service checks first (server/validation.py `check_open`; not re-checked
+        here): a non-empty prompt shorter than `max_positions`, token ids < `vocab_size`, and
+        `features.lsa_id` empty or one of `lsa_modules` (else KeyError after the prefill).
 
         Returns:
             (session, features of positions [0, P), forward time in ms)
@@ -127,6 +138,14 @@ class TargetRunner:
         becomes the new pending token. `forced_tokens` [F] (client-committed, unverified) replace the
         pending token: they are committed as they are, and the tree hangs off the last of them. Their
         features come back first (`accepted_tokens` holds only accepted draft tokens).
+
+        Acceptance: greedy sessions `accept_greedy`, else `accept_sampling` (shared/acceptance.py:
+        Leviathan et al. 2023 §2.3, over siblings as SpecInfer §4.3), with `draft_probs` keyed by
+        parent node (-1 = root), each SparseProbs [S], as `check_draft_probs` admits them.
+
+        Returns:
+            StepOutput: the accepted path and its tokens, the bonus token, the features of the newly
+            committed positions, and the forward time in ms.
         """
         prefix_len, chain, buffers, row_ids = _step_inputs(session, tree, forced_tokens)
         hidden = bool(session.features.hidden_layers)

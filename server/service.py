@@ -285,6 +285,12 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
     @_refusals
     @_admitted
     async def OpenSession(self, request, context):
+        """Prefill a prompt into a new session (`check_open` first, no model work on a refusal).
+
+        Status: INVALID_ARGUMENT and FAILED_PRECONDITION as `check_open`; RESOURCE_EXHAUSTED for the
+        prompt, the session or KV budgets, the rate limit or the reply size; UNAVAILABLE while
+        draining; INTERNAL for an unexpected error, the service staying up. Every guard and its test:
+        docs/reliability.md."""
         arrived = time.perf_counter()
         prompt, sampling, features = check_open(
             request, fingerprint=self.fingerprint, vocab_size=self.runner.vocab_size,
@@ -324,6 +330,14 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
     @_refusals
     @_admitted
     async def Verify(self, request, context):
+        """Score one step's draft tree (`check_tree`, `check_forced`, `check_draft_probs` first); a
+        repeated step number gets its recorded reply without model work.
+
+        Status: INVALID_ARGUMENT (session id, tree, forced tokens, draft probabilities), NOT_FOUND
+        (an unknown, expired or closed session), FAILED_PRECONDITION (a step out of order),
+        RESOURCE_EXHAUSTED (tree limits, the context, KV budgets, the rate limit, a reply over the
+        send limit, which closes the session), UNAVAILABLE (draining), INTERNAL (an unexpected error;
+        the message names the step and says the session is closed; the service stays up). docs/reliability.md lists each guard."""
         arrived = time.perf_counter()
         entry = self._entry(request.session_id)
         async with entry.lock:

@@ -37,7 +37,14 @@ def invalid(message: str) -> ServiceError:
 
 def check_open(request: pb.OpenSessionRequest, *, fingerprint: str, vocab_size: int, num_layers: int,
                limits: ServerLimits, max_context: int, lsa_ids=()) -> tuple[list[int], SamplingParams, FeatureRequest]:
-    """Validate an OpenSession request; returns (prompt ids, sampling params, feature request)."""
+    """Validate an OpenSession request; returns (prompt ids, sampling params, feature request).
+
+    Raises:
+        ServiceError: FAILED_PRECONDITION (another tokenizer fingerprint; an LSA this server does not
+            host), RESOURCE_EXHAUSTED (a prompt over `max_prompt_tokens` or leaving no room in the
+            context), INVALID_ARGUMENT (an empty prompt, token ids outside the vocabulary, sampling
+            parameters, feature layers, quantization or codec).
+    """
     if request.tokenizer_fingerprint != fingerprint:
         raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                            "tokenizer fingerprint differs from the server's; the drafter must use the target's tokenizer")
@@ -81,7 +88,12 @@ def check_open(request: pb.OpenSessionRequest, *, fingerprint: str, vocab_size: 
 
 
 def check_tree(request: pb.VerifyRequest, *, vocab_size: int, limits: ServerLimits) -> DraftTree:
-    """Validate the draft tree of a Verify request against the limits."""
+    """Validate the draft tree of a Verify request against the limits.
+
+    Raises:
+        ServiceError: RESOURCE_EXHAUSTED over `max_tree_nodes` / `max_tree_depth` (`validate_tree`'s
+            messages for those two say "limit", its others do not), else INVALID_ARGUMENT.
+    """
     tokens, parents = list(request.tree.tokens), list(request.tree.parents)
     try:
         validate_tree(tokens, parents, vocab_size=vocab_size, max_nodes=limits.max_tree_nodes,
@@ -93,7 +105,11 @@ def check_tree(request: pb.VerifyRequest, *, vocab_size: int, limits: ServerLimi
 
 
 def check_forced(request: pb.VerifyRequest, *, vocab_size: int, limits: ServerLimits) -> tuple[int, ...]:
-    """Validate a Verify request's forced tokens (at most max_prompt_tokens ids below the vocab size)."""
+    """Validate a Verify request's forced tokens (at most max_prompt_tokens ids below the vocab size).
+
+    Raises:
+        ServiceError: RESOURCE_EXHAUSTED (too many), INVALID_ARGUMENT (an id outside the vocabulary).
+    """
     forced = tuple(request.forced_tokens)
     if len(forced) > limits.max_prompt_tokens:
         raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -105,7 +121,11 @@ def check_forced(request: pb.VerifyRequest, *, vocab_size: int, limits: ServerLi
 
 def check_context(context_len: int, new_positions: int, max_context: int) -> None:
     """The cached context plus the positions a step's forward adds (its pending token or forced
-    tokens, and the tree; see `step_positions`) must fit the session's context."""
+    tokens, and the tree; see `step_positions`) must fit the session's context.
+
+    Raises:
+        ServiceError: RESOURCE_EXHAUSTED when they do not.
+    """
     if context_len + new_positions > max_context:
         raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"context {context_len} + {new_positions} new positions (pending or forced tokens and "

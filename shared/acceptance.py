@@ -77,9 +77,15 @@ def accept_sampling(tree: DraftTree, target_logits: torch.Tensor, params: Sampli
 
     Args:
         target_logits: [N + 1, V]; row 0 for the root, row i + 1 for node i.
-        draft_probs: proposal rows keyed by parent node (-1 = root); parents without a row had
-            their children proposed deterministically.
+        draft_probs: proposal rows keyed by parent node (-1 = root), each SparseProbs [S]; parents
+            without a row had their children proposed deterministically. Every child of a node
+            with a row must have probability > 0 in it and siblings distinct tokens (the service
+            checks both, server/validation.py `check_draft_probs`; not re-checked here: a child at
+            probability 0 would make the acceptance ratio divide by zero).
         generator: the session's random generator (acceptance draws and the bonus token).
+    Returns:
+        AcceptResult: the accepted path's node indices, and the bonus token (drawn from the
+        residual distribution after a rejection, `recovered` True, else from the target's row).
     """
     assert target_logits.shape[0] == tree.size + 1, (target_logits.shape, tree.size)
     vocab = target_logits.shape[-1]

@@ -53,11 +53,17 @@ def encode(tensor: torch.Tensor, quantization: int = pb.QUANTIZATION_NONE,
            codec: int = pb.CODEC_ZSTD) -> pb.Tensor:
     """Encode `tensor` (any shape with >= 1 axis for quantized formats).
 
+    `quantization`: QUANTIZATION_NONE, _INT8 or _FP8_E4M3; `codec`: CODEC_NONE or CODEC_ZSTD
+    (UNSPECIFIED: NONE).
+
     Raises:
-        CodecError: unsupported dtype, or quantizing a non-float / 0-d tensor.
+        CodecError: unsupported dtype, quantizing a non-float / 0-d tensor, an unknown quantization
+            or an unknown codec.
     """
     if tensor.dtype not in _PB_DTYPES:
         raise CodecError(f"unsupported dtype {tensor.dtype}")
+    if codec not in (pb.CODEC_UNSPECIFIED, pb.CODEC_NONE, pb.CODEC_ZSTD):  # else stored raw under a label decode refuses
+        raise CodecError(f"unknown codec {codec}")
     tensor = tensor.detach().cpu().contiguous()
     quantization = quantization or pb.QUANTIZATION_NONE
     scales = b""

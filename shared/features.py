@@ -55,7 +55,11 @@ class FeatureBatch:
     lsa: torch.Tensor | None = None
 
     def to_pb(self, request: FeatureRequest) -> pb.Features:
-        """Encode; unquantized floats travel as fp16."""
+        """Encode; unquantized floats travel as fp16.
+
+        Raises:
+            codec.CodecError: the request's quantization or codec is unknown (`codec.encode`).
+        """
         def enc(t: torch.Tensor) -> pb.Tensor:
             if request.quantization == pb.QUANTIZATION_NONE:
                 t = t.to(torch.float16)

@@ -163,6 +163,10 @@ def new_cache(config) -> DynamicCache:
     here every layer keeps every position and the window is applied by the attention mask instead
     (`TargetRunner` passes a windowed mask to sliding layers). Memory grows with the context on
     those layers too, as `cache_bytes` reports.
+
+    Raises:
+        UnsupportedCache: a layer kind other than full or sliding-window attention (chunked, linear,
+            state-space), or sliding layers without a window size.
     """
     attention_windows(config)  # refuse what cannot be served before any state exists
     return SessionCache()
@@ -189,6 +193,8 @@ def truncate(cache: DynamicCache, length: int, layer: int = 0) -> None:
 
     Raises:
         ValueError: `layer` holds fewer than `length` positions.
+        TypeError: a cache without per-layer storage, or with transformers' sliding-window layers
+            (make session caches with `new_cache`).
     """
     current = cache_length(cache, layer)
     if length > current:
@@ -204,6 +210,8 @@ def keep_rows(cache: DynamicCache, prefix_len: int, rows: list[int]) -> None:
 
     Raises:
         ValueError: a row lies outside the cached tree.
+        TypeError: a cache without per-layer storage, or with transformers' sliding-window layers
+            (make session caches with `new_cache`).
     """
     length = cache_length(cache)
     if any(not 0 <= r < length - prefix_len for r in rows):
@@ -225,14 +233,24 @@ def keep_rows(cache: DynamicCache, prefix_len: int, rows: list[int]) -> None:
 
 
 def layer_kv(cache: DynamicCache, layer: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of one layer for positions [start, stop): each [Hkv, stop - start, D] (batch 0)."""
+    """Keys and values of one layer for positions [start, stop): each [Hkv, stop - start, D] (batch 0).
+
+    Raises:
+        TypeError: a cache without per-layer storage, or with transformers' sliding-window layers
+            (make session caches with `new_cache`).
+    """
     entry = _layers(cache)[layer]
     return entry.keys[0, :, start:stop], entry.values[0, :, start:stop]
 
 
 def cache_bytes(cache: DynamicCache) -> int:
     """Bytes of the cached positions' keys and values (a `PreallocatedLayer` holds less than one
-    `CHUNK` of positions more)."""
+    `CHUNK` of positions more).
+
+    Raises:
+        TypeError: a cache without per-layer storage, or with transformers' sliding-window layers
+            (make session caches with `new_cache`).
+    """
     total = 0
     for layer in _layers(cache):
         if getattr(layer, "is_initialized", True) and layer.keys is not None:

@@ -25,7 +25,12 @@ class TreeError(ValueError):
 
 @dataclass(frozen=True)
 class DraftTree:
-    """N draft nodes. `tokens`: [N] token ids; `parents`: [N] parent node index or -1."""
+    """N draft nodes. `tokens`: [N] token ids; `parents`: [N] parent node index or -1.
+
+    Raises:
+        TreeError: at construction, what `validate_tree` refuses (lengths differ, a parent outside
+            [-1, i), a negative token id).
+    """
 
     tokens: tuple[int, ...]
     parents: tuple[int, ...]
@@ -123,7 +128,11 @@ class TreeBuffers:
 
 @lru_cache(maxsize=256)
 def tree_buffers(parents: tuple[int, ...]) -> TreeBuffers:
-    """Buffers for the tree with these parents (root prepended), built once per shape."""
+    """Buffers for the tree with these parents (root prepended), built once per shape.
+
+    `parents` must pass `validate_tree` (not checked here: a parent at or after its own index gives
+    a wrong mask without an error). Cached per shape: the returned tensors are shared between callers
+    and must never be modified in place."""
     rows = len(parents) + 1
     row_parent = [ROOT] + [p + 1 for p in parents]  # parent row of each row; the root has none
     ancestor = torch.zeros(rows, rows, dtype=torch.bool)

@@ -19,6 +19,11 @@ from splitspec.shared.tree import DraftTree
 
 @dataclass(frozen=True)
 class ServerInfo:
+    """What the verify service reports (`Info`): the target's identity and sizes (vocab_size V,
+    num_layers L, hidden_size E) and its limits: `max_context` tokens per session,
+    `max_tree_nodes` / `max_tree_depth` per Verify, `max_draft_support` entries per draft-probability
+    row."""
+
     model_id: str
     tokenizer_fingerprint: str
     vocab_size: int
@@ -90,7 +95,15 @@ class VerifierSession(ABC):
     def verify(self, tree: DraftTree, draft_probs: dict[int, SparseProbs],
                forced_tokens: tuple[int, ...] = ()) -> StepResult:
         """Verify `tree` below the pending token, or below `forced_tokens` [F] (client-committed
-        tokens replacing the pending token; see VerifyRequest.forced_tokens)."""
+        tokens replacing the pending token; see VerifyRequest.forced_tokens). `draft_probs`: the
+        sampled nodes' proposal rows, keyed by parent node (-1 = root), each SparseProbs [S]; {}
+        when greedy.
+
+        Raises (remote sessions):
+            LinkDown: unreachable or past the deadline. SessionLost: the server no longer holds the
+                session. grpc.RpcError: any other refusal. RuntimeError: an earlier step is still
+                unresolved (call `resume` first).
+        """
 
     @abstractmethod
     def close(self) -> None: ...
@@ -104,7 +117,15 @@ class Verifier(ABC):
 
     @abstractmethod
     def open(self, prompt_ids: list[int], sampling: SamplingParams, features: FeatureRequest
-             ) -> tuple[VerifierSession, OpenResult]: ...
+             ) -> tuple[VerifierSession, OpenResult]:
+        """Prefill `prompt_ids` [P]: the session, the first token, the features of positions [0, P)
+        and the call's timings.
+
+        Raises:
+            ValueError: (in-process) LSA placed on a server that does not host it.
+            LinkDown, grpc.RpcError: (remote) unreachable, or refused (a full server only once
+                `busy_wait_s` has run out).
+        """
 
     def close(self) -> None:
         """Release connections; sessions are closed by their owners."""

@@ -92,3 +92,13 @@ def test_corrupt_and_bomb_frames_are_refused():
                      data=zstandard.ZstdCompressor().compress(b"\0" * 10_000_000))
     with pytest.raises(codec.CodecError, match="declares"):
         codec.decode(bomb)
+
+
+def test_an_unknown_codec_or_quantization_is_refused_when_encoding():
+    """Refused at encode with a clear error, not stored raw under a label that decode refuses later."""
+    tensor = torch.ones(2, 3)
+    with pytest.raises(codec.CodecError, match="unknown codec"):
+        codec.encode(tensor, codec=7)
+    with pytest.raises(codec.CodecError, match="unknown quantization"):
+        codec.encode(tensor, quantization=9)
+    assert codec.decode(codec.encode(tensor, codec=pb.CODEC_UNSPECIFIED)).equal(tensor)

@@ -49,10 +49,20 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, context: Sequence[int], limits: DraftLimits, sampling: SamplingParams) -> Proposal:
         """Draft after `context` (all committed tokens; its last is the pending token). Tokens after
-        the last position with features (offline or privately produced text) must be handled too."""
+        the last position with features (offline or privately produced text) must be handled too.
+
+        Raises:
+            RuntimeError: (drafters that read features) more positions verified than `context` holds
+                before its pending token: the loop and the drafter disagree.
+        """
 
     def commit(self, new_tokens: Sequence[int], features: FeatureBatch) -> None:
-        """Tokens were committed (accepted + bonus); `features` cover the newly cached positions."""
+        """Tokens were committed (accepted + bonus); `features` cover the newly cached positions.
+
+        Raises:
+            ValueError: (drafters that read features) the features do not start where the drafter's
+                verified positions end (`check_contiguous`).
+        """
 
     def report(self) -> dict:
         """What the drafter adapted while it ran (JSON-serialisable; SWIFT: its skip-set search),

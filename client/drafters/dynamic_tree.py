@@ -42,11 +42,19 @@ ExpandFn = Callable[[list[int], list[_Node]], torch.Tensor]
 
 def build_tree(root_logits: torch.Tensor, expand: ExpandFn, config: TreeConfig, limits: DraftLimits,
                sampling: SamplingParams, generator: torch.Generator | None = None) -> Proposal:
-    """Grow and rerank a dynamic tree.
+    """Grow and rerank a dynamic tree (EAGLE-2, Li et al. 2024, §4.1 expansion and §4.2 reranking).
 
     Args:
         root_logits: [V] drafter logits after the pending token.
-        expand: drafter callback scoring the children of frontier nodes.
+        expand: drafter callback scoring the children of frontier nodes: (frontier node indices [F],
+            the node pool) -> logits [F, V].
+        config, limits: the tree's depth is min(config.depth, limits.max_depth) and its node count
+            min(config.max_nodes, limits.max_nodes); either below 1 gives an empty tree. Each level
+            expands the top `config.top_b` frontier nodes by score into `config.top_b` children each.
+        sampling: greedy takes each node's top-B children; otherwise B children are drawn without
+            replacement (Gumbel-top-k, Kool et al. 2019) and each row of `draft_probs` is a
+            SparseProbs [S] with S <= `limits.max_support`.
+        generator: the drafter's random stream (`Stream.DRAFTER`); unused when greedy.
     Returns:
         The proposal; `draft_probs` has a row for the root and each kept node with kept children
         when sampling, and is empty when greedy.

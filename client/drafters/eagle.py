@@ -24,6 +24,11 @@ from .dynamic_tree import build_tree, frontier_mask
 
 
 class EagleRuntime(Drafter):
+    """An EAGLE drafter (module docstring) over the target's final hidden states [T, E], which the
+    server returns for every committed position. `tree`: the dynamic tree's depth, top-B and node count; `quantization`: the
+    feature format asked of the server (pb.QUANTIZATION_*); `seed`: the user's seed, from which the
+    drafter's own random stream (`Stream.DRAFTER`, sampled drafts) is derived."""
+
     name = "eagle2"
 
     def __init__(self, module: EagleDrafter, parts: TargetParts, tree: TreeConfig = TreeConfig(), *,

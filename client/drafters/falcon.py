@@ -39,6 +39,11 @@ KEEP_STATES = 64  # slots behind the verified end whose LSTM states and outputs 
 
 
 class FalconRuntime(Drafter):
+    """A Falcon drafter (module docstring) over the target's final hidden states [T, E], two tokens
+    per forward. `tree`: the dynamic tree's depth, top-B and node count; `quantization`: the
+    feature format asked of the server (pb.QUANTIZATION_*); `seed`: the user's seed, from which the
+    drafter's own random stream (`Stream.DRAFTER`, sampled drafts) is derived."""
+
     name = "falcon"
 
     def __init__(self, module: FalconDrafter, parts: TargetParts, tree: TreeConfig = TreeConfig(), *,

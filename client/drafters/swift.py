@@ -73,6 +73,9 @@ class SwiftConfig:
     bands: ((upper bound of top-1 probability, k), ...) in increasing order; the paper's are
         PAPER_BANDS, narrowed here to 3 / 2 / 2 / 1 for the same reason as max_nodes.
     seed: the optimiser's random stream (random search and the candidates BO scores).
+
+    Raises:
+        ValueError: a ratio outside [0, 1), a window below 2, or bo_every / max_depth / max_nodes below 1.
     """
 
     ratio: float = 0.2
@@ -183,7 +186,11 @@ class SkipSetSearch:
 
 
 def uniform_skip_set(layers: Sequence[int], n_skip: int) -> tuple[int, ...]:
-    """`n_skip` of `layers` spread evenly (SWIFT's starting point, §4.1.1)."""
+    """`n_skip` of `layers` spread evenly (SWIFT's starting point, §4.1.1).
+
+    Raises:
+        ValueError: `n_skip` > len(layers).
+    """
     if n_skip <= 0:
         return ()
     if n_skip > len(layers):
@@ -196,6 +203,9 @@ class SwiftDrafter(Drafter):
 
     Features: every decoder layer's keys/values of each verified position ([Hkv, count, D] per
     layer), fp16 on the wire by default (`quantization`).
+
+    Raises:
+        ValueError: (construction) a model without a decoder layer list at `.model.layers`.
     """
 
     name = "swift"

@@ -64,6 +64,12 @@ class NgramIndex:
 
 
 class TokenSwiftRuntime(Drafter):
+    """TokenSwift's heads over the target's final hidden state plus n-gram chains (module
+    docstring). `ngram`: the n of the reused n-grams; `ngram_top_k`: how many of the most frequent
+    ones join a greedy tree. `tree`: the dynamic tree's depth, top-B and node count; `quantization`: the
+    feature format asked of the server (pb.QUANTIZATION_*); `seed`: the user's seed, from which the
+    drafter's own random stream (`Stream.DRAFTER`, sampled drafts) is derived."""
+
     name = "tokenswift"
 
     def __init__(self, module: TokenSwiftHeads, parts: TargetParts, tree: TreeConfig = TreeConfig(), *,
