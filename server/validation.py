@@ -91,17 +91,23 @@ def check_tree(request: pb.VerifyRequest, *, vocab_size: int, limits: ServerLimi
     """Validate the draft tree of a Verify request against the limits.
 
     Raises:
-        ServiceError: RESOURCE_EXHAUSTED over `max_tree_nodes` / `max_tree_depth` (`validate_tree`'s
-            messages for those two say "limit", its others do not), else INVALID_ARGUMENT.
+        ServiceError: RESOURCE_EXHAUSTED over `max_tree_nodes` (checked first, before any node is
+            read) or `max_tree_depth`; INVALID_ARGUMENT for a malformed tree (`validate_tree`).
     """
     tokens, parents = list(request.tree.tokens), list(request.tree.parents)
+    if max(len(tokens), len(parents)) > limits.max_tree_nodes:
+        raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"tree has {max(len(tokens), len(parents))} nodes; the limit is {limits.max_tree_nodes}")
     try:
-        validate_tree(tokens, parents, vocab_size=vocab_size, max_nodes=limits.max_tree_nodes,
-                      max_depth=limits.max_tree_depth)
+        tree = DraftTree(tuple(tokens), tuple(parents))  # validate_tree: structure and ids
+        validate_tree(tokens, parents, vocab_size=vocab_size)
     except TreeError as err:
-        code = grpc.StatusCode.RESOURCE_EXHAUSTED if "limit" in str(err) else grpc.StatusCode.INVALID_ARGUMENT
-        raise ServiceError(code, str(err)) from err
-    return DraftTree(tuple(tokens), tuple(parents))
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from err
+    depth = max(tree.depths(), default=0)
+    if depth > limits.max_tree_depth:
+        raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"tree depth {depth} exceeds the limit of {limits.max_tree_depth}")
+    return tree
 
 
 def check_forced(request: pb.VerifyRequest, *, vocab_size: int, limits: ServerLimits) -> tuple[int, ...]:

@@ -23,7 +23,7 @@ from ..history import ChatHistory
 from ..loop import Generation
 from ..privacy import PrivacyGuard, encode_private_chat, placeholder_token
 from .schema import ApiError, Completion
-from .text import AnswerText, Delta
+from .text import AnswerText
 
 log = logging.getLogger(__name__)
 
