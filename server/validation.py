@@ -16,7 +16,7 @@ from splitspec.shared.acceptance import SparseProbs
 from splitspec.shared.config import ServerLimits
 from splitspec.shared.features import FeatureRequest
 from splitspec.shared.sampling import SamplingParams
-from splitspec.shared.tree import DraftTree, TreeError, validate_tree
+from splitspec.shared.tree import DraftTree, TreeError, TreeLimitError, validate_tree
 from splitspec.v1 import verify_pb2 as pb
 
 
@@ -91,23 +91,18 @@ def check_tree(request: pb.VerifyRequest, *, vocab_size: int, limits: ServerLimi
     """Validate the draft tree of a Verify request against the limits.
 
     Raises:
-        ServiceError: RESOURCE_EXHAUSTED over `max_tree_nodes` (checked first, before any node is
-            read) or `max_tree_depth`; INVALID_ARGUMENT for a malformed tree (`validate_tree`).
+        ServiceError: RESOURCE_EXHAUSTED over `max_tree_nodes` or `max_tree_depth` (`TreeLimitError`),
+            INVALID_ARGUMENT for a malformed tree (any other `TreeError`).
     """
     tokens, parents = list(request.tree.tokens), list(request.tree.parents)
-    if max(len(tokens), len(parents)) > limits.max_tree_nodes:
-        raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"tree has {max(len(tokens), len(parents))} nodes; the limit is {limits.max_tree_nodes}")
     try:
-        tree = DraftTree(tuple(tokens), tuple(parents))  # validate_tree: structure and ids
-        validate_tree(tokens, parents, vocab_size=vocab_size)
+        validate_tree(tokens, parents, vocab_size=vocab_size, max_nodes=limits.max_tree_nodes,
+                      max_depth=limits.max_tree_depth)
+    except TreeLimitError as err:
+        raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)) from err
     except TreeError as err:
         raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from err
-    depth = max(tree.depths(), default=0)
-    if depth > limits.max_tree_depth:
-        raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"tree depth {depth} exceeds the limit of {limits.max_tree_depth}")
-    return tree
+    return DraftTree(tuple(tokens), tuple(parents))
 
 
 def check_forced(request: pb.VerifyRequest, *, vocab_size: int, limits: ServerLimits) -> tuple[int, ...]:

@@ -23,6 +23,10 @@ class TreeError(ValueError):
     """A draft tree is malformed (raised before any model work)."""
 
 
+class TreeLimitError(TreeError):
+    """A well-formed draft tree larger than a limit allows (`validate_tree`'s max_nodes / max_depth)."""
+
+
 @dataclass(frozen=True)
 class DraftTree:
     """N draft nodes. `tokens`: [N] token ids; `parents`: [N] parent node index or -1.
@@ -65,20 +69,22 @@ def validate_tree(tokens, parents, *, vocab_size: int | None = None, max_nodes: 
     """Check a tree without building anything.
 
     Raises:
-        TreeError: lengths differ, a parent is not in [-1, i) (so cycles are impossible), a token id
-            is outside [0, vocab_size), or the tree exceeds `max_nodes` / `max_depth`.
+        TreeError: lengths differ, a parent is not in [-1, i) (so cycles are impossible), or a token
+            id is outside [0, vocab_size).
+        TreeLimitError (a TreeError): the tree exceeds `max_nodes` (checked before any node is read)
+            or `max_depth`.
     """
     if len(tokens) != len(parents):
         raise TreeError(f"tree has {len(tokens)} tokens but {len(parents)} parents")
     if max_nodes is not None and len(tokens) > max_nodes:
-        raise TreeError(f"tree has {len(tokens)} nodes; the limit is {max_nodes}")
+        raise TreeLimitError(f"tree has {len(tokens)} nodes; the limit is {max_nodes}")
     for i, (tok, par) in enumerate(zip(tokens, parents)):
         if not ROOT <= par < i:
             raise TreeError(f"node {i} has parent {par}; parents must lie in [-1, {i})")
         if tok < 0 or (vocab_size is not None and tok >= vocab_size):
             raise TreeError(f"node {i} has token id {tok} outside [0, {vocab_size})")
     if max_depth is not None and tokens and max(_depths(tuple(parents))) > max_depth:
-        raise TreeError(f"tree depth {max(_depths(tuple(parents)))} exceeds the limit {max_depth}")
+        raise TreeLimitError(f"tree depth {max(_depths(tuple(parents)))} exceeds the limit {max_depth}")
 
 
 @lru_cache(maxsize=1024)

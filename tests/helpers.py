@@ -40,7 +40,6 @@ def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
     return target_greedy(model, prompt, n)
 
 
-
 def check_seeded_sampling(generate, sampling) -> None:
     """What a sampled speculative answer can be checked for one answer at a time (the distribution
     itself is tests/test_sampling_e2e.py's): `generate(sampling)` (a fresh decoder each call, so the
@@ -51,6 +50,7 @@ def check_seeded_sampling(generate, sampling) -> None:
     assert first.tokens == again.tokens
     assert first.tokens != other.tokens
     assert first.stats.new_tokens > first.stats.target_calls
+
 
 class OracleDrafter(Drafter):
     """Knows the reference continuation. `right=True`: each depth holds the correct token, placed

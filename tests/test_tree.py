@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from splitspec.shared.tree import DraftTree, TreeError, tree_buffers, validate_tree
+from splitspec.shared.tree import DraftTree, TreeError, TreeLimitError, tree_buffers, validate_tree
 
 
 def _random_parents(rng: random.Random, n: int) -> tuple[int, ...]:
@@ -63,8 +63,10 @@ def test_mask_and_positions():
     ((1,) * 5, (-1,) * 5, {"max_nodes": 4}, "5 nodes"),
 ])
 def test_validation_rejects(tokens, parents, kwargs, message):
-    with pytest.raises(TreeError, match=message):
+    with pytest.raises(TreeError, match=message) as refused:
         validate_tree(tokens, parents, **kwargs)
+    # a limit (the service answers RESOURCE_EXHAUSTED) is told apart from a malformed tree by type
+    assert isinstance(refused.value, TreeLimitError) == bool({"max_depth", "max_nodes"} & set(kwargs))
 
 
 def test_draft_tree_helpers():
