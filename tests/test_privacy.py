@@ -18,7 +18,7 @@ import pytest
 
 from splitspec.client.drafters import Drafter, NgramDrafter, Proposal
 from splitspec.client.loop import PRIVATE, TARGET, SpeculativeDecoder
-from splitspec.client.privacy import (PrivacyGuard, Segment, best_path, encode_private_chat, parse_private_tags,
+from splitspec.client.privacy import (PrivacyGuard, Segment, encode_private_chat, parse_private_tags,
                                       placeholder_token)
 from splitspec.client.transport import RemoteVerifier
 from splitspec.server.runner import TargetRunner

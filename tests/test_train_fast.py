@@ -709,8 +709,69 @@ def test_later_turns_give_the_deepest_history_that_fits(stories):
         encode_chat(tokenizer, (one if short > long else three)[:1])]  # --min-prompt-len: the longer one only
     with pytest.raises(ValueError, match="turns"):
         DistillConfig(target="t", out=Path("x"), turns="all")
+    with pytest.raises(ValueError, match="cache"):
+        DistillConfig(target="t", out=Path("x"), cache="paged")
     with pytest.raises(ValueError, match="min_prompt_len"):
         DistillConfig(target="t", out=Path("x"), max_prompt_len=256, min_prompt_len=300)
+
+
+def test_middle_turns_are_the_later_turns_no_other_file_answers(stories):
+    """distill-data --turns middle: every user turn after the first whose history fits, but the
+    deepest (which --turns later answers), several per conversation, cut at --limit exactly."""
+    from splitspec.shared.models import encode_chat
+    from splitspec.train.distill import DistillConfig, _prompts
+
+    _, tokenizer, _ = stories
+    turn = lambda k: [{"role": "user", "content": f"question {k} " * 3},  # noqa: E731
+                      {"role": "assistant", "content": f"answer {k} " * 6}]
+    four = turn(1) + turn(2) + turn(3) + turn(4)
+    one = turn(9)
+    upto = lambda k: encode_chat(tokenizer, four[: 2 * k - 1])  # noqa: E731  the history through user turn k
+    common = dict(target="t", out=Path("unused"), heldout=0)
+    fits_all = len(upto(4))
+    middle = dict(common, turns="middle", max_prompt_len=fits_all)
+    assert _prompts(DistillConfig(**middle), tokenizer, [one, four]) == [upto(2), upto(3)]
+    assert _prompts(DistillConfig(**dict(middle, max_prompt_len=fits_all - 1)), tokenizer, [four]) == [upto(2)]
+    assert _prompts(DistillConfig(**dict(middle, max_prompt_len=len(upto(3)) - 1)), tokenizer, [four]) == []
+    later = _prompts(DistillConfig(**dict(common, turns="later", max_prompt_len=fits_all)), tokenizer, [one, four])
+    first = _prompts(DistillConfig(**dict(common, turns="first", max_prompt_len=fits_all)), tokenizer, [one, four])
+    assert later == [upto(4)]
+    assert not {tuple(p) for p in later + first} & {tuple(p) for p in _prompts(DistillConfig(**middle), tokenizer,
+                                                                                  [one, four])}
+    assert _prompts(DistillConfig(**dict(middle, limit=1)), tokenizer, [four, four]) == [upto(2)]
+    assert _prompts(DistillConfig(**dict(middle, limit=3)), tokenizer, [four, four]) == [upto(2), upto(3), upto(2)]
+    assert _prompts(DistillConfig(**dict(middle, min_prompt_len=len(upto(3)))), tokenizer, [four]) == [upto(3)]
+
+
+@pytest.mark.slow
+def test_distill_data_with_a_static_cache(stories_path, tmp_path, monkeypatch):
+    """--cache static: the same greedy answers as the growing cache (a tiny fp32 model, where rounding
+    over the padded length moves no argmax), generated into one StaticCache size for every batch, the
+    cache in the header, and a resume that asks for the other cache refused."""
+    from transformers import GenerationMixin
+
+    from splitspec.train.distill import DistillConfig, distill_data
+
+    asked = []
+    generate = GenerationMixin.generate
+
+    def spy(self, *args, **kwargs):
+        asked.append((kwargs.get("cache_implementation"), kwargs.get("max_cache_len")))
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "generate", spy)
+    convs = _conversations(12, 3)
+    common = dict(target=str(stories_path), batch=3, limit=7, max_new_tokens=16, heldout=2, max_prompt_len=64)
+    distill_data(DistillConfig(out=tmp_path / "dynamic.jsonl", **common), convs)
+    distill_data(DistillConfig(out=tmp_path / "static.jsonl", cache="static", **common), convs)
+    (dyn_header, *dyn), (st_header, *st) = ((tmp_path / f).read_text().splitlines() for f in ("dynamic.jsonl",
+                                                                                                "static.jsonl"))
+    assert "cache" not in json.loads(dyn_header) and json.loads(st_header)["cache"] == "static"
+    assert len(st) == 7 and st == dyn
+    assert asked == [(None, None)] * 3 + [("static", 64 + 16)] * 3  # batches of 3, 3 and 1 each way
+    assert any(len(json.loads(r)["answer_ids"]) > 1 for r in st)
+    with pytest.raises(ValueError, match="other settings"):
+        distill_data(DistillConfig(out=tmp_path / "static.jsonl", **common), convs)
 
 
 def test_several_distilled_files_are_pooled(tmp_path, monkeypatch):

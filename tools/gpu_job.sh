@@ -3,19 +3,22 @@
 # checkout's root there, after ../shared/gpu/bootstrap.sh, with .gpu-a/.gpu-b/.gpu-c in place
 # (tools/gpu_prepare.sh builds them; each call's working tree is a fresh copy, so a call that
 # carries a folder copies it to /tmp and the last call links them back). In one command of < 10 min:
-# 1. for DISTILL_S seconds, extend the later-turn answers (data/smollm2-answers-later-cuda.jsonl.gz,
-#    resumed; the first-turn prompts of <= 256 tokens are all answered since session 24) up to prompt
-#    DLIMIT (default 8,600: sessions 42-43 answered the later-turn prompts from 8,600 to the pool's end,
-#    10,199, on a CPU, data/smollm2-answers-later-cpu.jsonl; once the GPU's file reaches DLIMIT this
-#    phase ends at once and the call's time goes to training; session 43's CPU also answered the long
-#    first turns no file had, data/smollm2-answers-long-cpu.jsonl, trained on like every other file);
+# 1. for DISTILL_S seconds, distil the target's answers to the DTURNS user turns of ShareGPT (default
+#    middle: the 7,733 later turns of <= 768 tokens that are neither a conversation's first nor its deepest,
+#    which no file answered before session 51) into data/smollm2-answers-$DTURNS-cuda.jsonl, resumed from
+#    .gpu-b/data when an earlier GPU brought part of it home, up to prompt DLIMIT (default: all). The first-
+#    turn prompts of <= 256 tokens are all answered since session 24, the deepest later turns since
+#    sessions 42-43 (DTURNS=later DLIMIT=8600 extends smollm2-answers-later-cuda.jsonl, as before), the long
+#    first turns since session 43. DCACHE=static (the default) generates into one preallocated cache,
+#    which transformers compiles the decoding step for on a GPU; if that fails before writing a record,
+#    the phase falls back to the growing cache for the time left (the header records which);
 # 2. fine-tune DRAFTERS (default moa,eagle2: moa at tli 0) from INIT (default .gpu-c/init, the shipped
 #    checkpoints) on every distilled file for TRAIN_MIN minutes, the lr decay and staircase on the
 #    clock (--time-schedule); DRAFTERS=moa,eagle2,moa:tli=1 INIT=.gpu-c/init,moa-tli1=.gpu-d/moa-tli1
 #    continues the shipped moa-tli1 as well (tools/gpu_prepare.sh with WITH_TLI1=1 builds .gpu-d);
 # 3. copy what must survive under $OUT after each phase (at most 8 files of 16 MB come back), with
 #    train-profile.txt: torch.profiler over training steps 2-4 (operators by CUDA time, peak memory).
-# Settings by environment: DEVICE DISTILL_S DBATCH DLIMIT TRAIN_MIN BATCH LR STAIRCASE MAXLEN EVALP R DRAFTERS INIT
+# Settings by environment: DEVICE DISTILL_S DBATCH DLIMIT DTURNS DCACHE TRAIN_MIN BATCH LR STAIRCASE MAXLEN EVALP R DRAFTERS INIT
 # CALL_END. CALL_END (epoch seconds, e.g. `CALL_END=$(( $(date +%s) + 545 ))` set at the start of the call's
 # command, before gpu_site.sh and bootstrap.sh) shortens TRAIN_MIN so that training, its final evaluation
 # and the copies end before it: in session 41 the bootstrap's minute ran outside the job's clock and the
@@ -26,7 +29,8 @@
 # on a continuation it trains half the steps on a mask the runtime never uses).
 set -u
 T0=$(date +%s)
-DEVICE=${DEVICE:-cuda}; DISTILL_S=${DISTILL_S:-150}; DBATCH=${DBATCH:-384}; DLIMIT=${DLIMIT:-8600}; TRAIN_MIN=${TRAIN_MIN:-4.3}
+DEVICE=${DEVICE:-cuda}; DISTILL_S=${DISTILL_S:-150}; DBATCH=${DBATCH:-384}; DLIMIT=${DLIMIT:-1000000}; TRAIN_MIN=${TRAIN_MIN:-4.3}
+DTURNS=${DTURNS:-middle}; DCACHE=${DCACHE:-static}
 # batch 128 fits the H200's 141 GB; on an 80 GB H100 it ran out of memory after 82 s in session 41
 # (moa's step peaks at 37.6 GiB at batch 64), so the default follows the card's memory
 GPU_GIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
@@ -38,23 +42,35 @@ log() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/job.log"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv >> "$OUT/job.log" 2>&1
 python3 -c "import torch, transformers; print('torch', torch.__version__, torch.cuda.is_available(), 'transformers', transformers.__version__)" >> "$OUT/job.log" 2>&1
 
-GROWN=smollm2-answers-later-cuda.jsonl
-[ -f "$R/$GROWN" ] || python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), sys.stdout.buffer)" \
-  ".gpu-b/data/$GROWN.xz" > "$R/$GROWN"  # distill-data extends a plain file
+GROWN=smollm2-answers-$DTURNS-cuda.jsonl
+if [ ! -f "$R/$GROWN" ] && [ -f ".gpu-b/data/$GROWN.xz" ]; then  # distill-data extends a plain file
+  python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), sys.stdout.buffer)" \
+    ".gpu-b/data/$GROWN.xz" > "$R/$GROWN"
+fi
+records() { [ -f "$R/$GROWN" ] && echo $(( $(wc -l < "$R/$GROWN") - 1 )) || echo 0; }
+distill() {  # $1 cache, $2 seconds; the header of the grown file fixes the settings (batch and device included)
+  timeout "$2" splitspec distill-data --device "$DEVICE" --batch "$DBATCH" --turns "$DTURNS" --max-prompt-len 768 \
+    --limit "$DLIMIT" --cache "$1" --out "$R/$GROWN" >> "$R/distill.log" 2>&1
+}
 if [ "$DISTILL_S" -gt 0 ]; then
-  log "distill start (${DISTILL_S}s, batch $DBATCH)"
-  # the header of the grown file fixes these settings (batch and device included): keep them
-  timeout "$DISTILL_S" splitspec distill-data --device "$DEVICE" --batch "$DBATCH" --turns later --max-prompt-len 768 \
-    --limit "$DLIMIT" --out "$R/$GROWN" > "$R/distill.log" 2>&1
-  log "distill rc=$? records=$(( $(wc -l < "$R/$GROWN") - 1 ))"
-  gzip -c "$R/$GROWN" > "$OUT/$GROWN.gz"
+  log "distill start (${DISTILL_S}s, $DTURNS turns, batch $DBATCH, $DCACHE cache, $(records) records so far)"
+  D0=$(date +%s); distill "$DCACHE" "$DISTILL_S"; rc=$?
+  left=$(( DISTILL_S - ($(date +%s) - D0) ))
+  if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ "$DCACHE" = static ] && [ "$(records)" -le 0 ] && [ $left -gt 20 ]; then
+    tail -c 1500 "$R/distill.log" >> "$OUT/job.log"  # in job.log: $OUT already holds 8 files at the end
+    log "distill with the static cache failed (rc=$rc, nothing written): the growing cache for ${left}s"
+    rm -f "$R/$GROWN"; distill dynamic "$left"; rc=$?
+  fi
+  log "distill rc=$rc records=$(records) ($(( $(date +%s) - D0 ))s)"
+  [ "$(records)" -gt 0 ] && gzip -c "$R/$GROWN" > "$OUT/$GROWN.gz"
 fi
 
 if [ -n "${CALL_END:-}" ]; then  # leave ~100 s for loading, the final evaluation and the copies
   fit=$(python3 -c "print(round(max(0.5, min($TRAIN_MIN, ($CALL_END - $(date +%s) - 100) / 60)), 2))")
   if python3 -c "import sys; sys.exit(0 if $fit < $TRAIN_MIN else 1)"; then log "TRAIN_MIN $TRAIN_MIN -> $fit (CALL_END)"; TRAIN_MIN=$fit; fi
 fi
-DATA=$(ls .gpu-b/data/*.jsonl.xz .gpu-c/data/*.jsonl.xz 2>/dev/null | grep -v "/$GROWN.xz$" | paste -sd, -),$R/$GROWN
+DATA=$(ls .gpu-b/data/*.jsonl.xz .gpu-c/data/*.jsonl.xz 2>/dev/null | grep -v "/$GROWN.xz$" | paste -sd, -)
+[ "$(records)" -gt 0 ] && DATA=$DATA,$R/$GROWN  # the grown file as it is now (no records: not at all)
 train() {  # $1 dtype, $2 minutes, $3 run folder
   timeout $(python3 -c "print(int($2 * 60 + 150))") splitspec train --drafter "$DRAFTERS" --device "$DEVICE" \
     --dtype "$1" --init "$INIT" --data "$DATA" --max-len "$MAXLEN" --batch "$BATCH" --lr "$LR" --staircase "$STAIRCASE" \

@@ -175,9 +175,10 @@ def _add_distill_parser(sub) -> None:
     p.add_argument("--min-prompt-len", type=int, default=0,
                    help="skip shorter prompts: e.g. 257 with --max-prompt-len 1024 gives the long-context prompts a "
                         "file written with the default 256 left out (train with a --max-len that holds them)")
-    p.add_argument("--turns", default="first", choices=["first", "later"],
+    p.add_argument("--turns", default="first", choices=["first", "later", "middle"],
                    help="first: answer each conversation's first user turn; later: its deepest later user turn "
-                        "whose history fits --max-prompt-len (multi-turn prompts)")
+                        "whose history fits --max-prompt-len (multi-turn prompts); middle: every other later user "
+                        "turn that fits (several per conversation, none that first or later answer)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the drafters' main use)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -186,6 +187,9 @@ def _add_distill_parser(sub) -> None:
                    help="the held-out split's seed (train's --split-seed) and the sampling seed")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--cache", default="dynamic", choices=["dynamic", "static"],
+                   help="static: one preallocated cache for the longest prompt and answer; on a GPU transformers "
+                        "then compiles the decoding step (recorded in the file's header)")
     p.set_defaults(func=cmd_distill)
 
 
@@ -196,7 +200,8 @@ def cmd_distill(args) -> None:
                         max_prompt_len=args.max_prompt_len, min_prompt_len=args.min_prompt_len,
                         max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, heldout=args.heldout, seed=args.seed,
-                        dtype=args.dtype, device=args.device, turns=args.turns, start=args.start)
+                        dtype=args.dtype, device=args.device, turns=args.turns, start=args.start,
+                        cache=args.cache)
     print(json.dumps(distill_data(cfg)))
 
 
