@@ -637,7 +637,7 @@ def test_checkpoint_over_the_size_limit_is_refused(stories):
 
 @pytest.mark.slow
 def test_distill_data_is_deterministic_and_resumes(stories_path, tmp_path):
-    from splitspec.train.distill import DistillConfig, distill_data, load_distilled
+    from splitspec.train.distill import DistillConfig, check_heldout, distill_data, load_distilled
 
     convs = _conversations(20, 2)
     common = dict(target=str(stories_path), batch=2, max_new_tokens=12, temperature=1.0, top_p=0.9, heldout=2,
@@ -665,6 +665,17 @@ def test_distill_data_is_deterministic_and_resumes(stories_path, tmp_path):
     assert (tmp_path / "old.jsonl").read_text().splitlines(keepends=True)[1:] == records
     other = distill_data(DistillConfig(out=tmp_path / "c.jsonl", limit=6, **{**common, "seed": 8}), convs)
     assert other["records"] == 6 and (tmp_path / "c.jsonl").read_text() != a
+    # --sample-seed: other answers to the same prompts, the held-out split kept
+    resampled = tmp_path / "resampled.jsonl"
+    distill_data(DistillConfig(out=resampled, limit=6, sample_seed=8, **common), convs)
+    same_seed = tmp_path / "same.jsonl"
+    distill_data(DistillConfig(out=same_seed, limit=6, sample_seed=7, **common), convs)
+    mine, theirs = ([json.loads(r) for r in f.read_text().splitlines()[1:]] for f in (resampled, tmp_path / "a.jsonl"))
+    assert [r["prompt_ids"] for r in mine] == [r["prompt_ids"] for r in theirs]
+    assert [r["answer_ids"] for r in mine] != [r["answer_ids"] for r in theirs]
+    assert json.loads(resampled.read_text().splitlines()[0])["sample_seed"] == 8
+    assert same_seed.read_text().splitlines()[1:] == a.splitlines()[1:]  # sample_seed = seed: the same answers
+    check_heldout(resampled, 2, 7)
     with pytest.raises(ValueError, match="other settings"):
         distill_data(DistillConfig(out=tmp_path / "a.jsonl", limit=6, **{**common, "seed": 8}), convs)
     examples = load_distilled(tmp_path / "a.jsonl", 64)

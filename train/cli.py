@@ -185,6 +185,8 @@ def _add_distill_parser(sub) -> None:
     p.add_argument("--heldout", type=int, default=16, help="held-out conversations left out (as in `train`)")
     p.add_argument("--seed", type=int, default=0,
                    help="the held-out split's seed (train's --split-seed) and the sampling seed")
+    p.add_argument("--sample-seed", type=int, default=None,
+                   help="another sampling seed, the split kept (with --temperature: more answers to the same prompts)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--cache", default="dynamic", choices=["dynamic", "static"],
@@ -201,7 +203,7 @@ def cmd_distill(args) -> None:
                         max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, heldout=args.heldout, seed=args.seed,
                         dtype=args.dtype, device=args.device, turns=args.turns, start=args.start,
-                        cache=args.cache)
+                        cache=args.cache, sample_seed=args.sample_seed)
     print(json.dumps(distill_data(cfg)))
 
 

@@ -16,7 +16,9 @@ line of token ids:
     {"index": i, "prompt_ids": [...], "answer_ids": [...]}
 
 The first line of the file is a header with the settings (target, sampling, seed). Batches are
-fixed ranges of prompt indices, each seeded with `seed + first index`, and written whole, so a
+fixed ranges of prompt indices, each seeded with `sample_seed + first index` (`sample_seed` is
+`seed`, the held-out split's, unless given: with a temperature, files that differ only in
+`sample_seed` hold other answers to the same prompts, with the same conversations held out), and written whole, so a
 run that stops can be resumed (the same command appends the missing batches) and gives the same
 file as an uninterrupted one.
 
@@ -56,6 +58,7 @@ class DistillConfig:
     top_p: float = 1.0
     heldout: int = 16
     seed: int = 0  # the held-out split's seed (train's --split-seed) and the sampling seed
+    sample_seed: int | None = None  # the sampling seed where it is not `seed`
     dtype: str = "float32"
     device: str = "cpu"
     turns: str = "first"  # first | later | middle (see the module docstring)
@@ -79,6 +82,8 @@ class DistillConfig:
             del settings["start"]  # headers written before `start` existed stay valid
         if self.cache == "dynamic":
             del settings["cache"]  # as do those written before `cache` existed
+        if self.sample_seed is None:
+            del settings["sample_seed"]  # or `sample_seed`
         return {"splitspec_distill": 1, "model_id": model_id, **settings}
 
 
@@ -186,7 +191,8 @@ def distill_data(cfg: DistillConfig, conversations: list | None = None) -> dict:
     with cfg.out.open("a") as f:
         for i in range(done, len(prompts), cfg.batch):
             chunk = prompts[i: i + cfg.batch]
-            answers = answer_batch(model, chunk, cfg, eos, pad, cfg.seed + cfg.start + i)
+            seed = cfg.seed if cfg.sample_seed is None else cfg.sample_seed
+            answers = answer_batch(model, chunk, cfg, eos, pad, seed + cfg.start + i)
             f.write("".join(json.dumps({"index": cfg.start + i + k, "prompt_ids": p, "answer_ids": a}) + "\n"
                             for k, (p, a) in enumerate(zip(chunk, answers))))
             f.flush()
