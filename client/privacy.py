@@ -156,6 +156,41 @@ def best_path(proposal: Proposal) -> tuple[list[int], list]:
         parent = child
 
 
+def _content_starts(tokenizer, messages: list[dict], rendered: str, which: list[int]) -> dict[int, int]:
+    """Where the content of each message in `which` starts in `rendered` (the chat's template
+    output), found by rendering it again with unique markers around those contents.
+
+    Raises:
+        ValueError: the template does not copy those contents verbatim.
+    """
+    if not which:
+        return {}
+    used = rendered + "".join(m["content"] for m in messages)
+    salt = 0
+    while True:  # markers that occur nowhere else (private-use characters, a counter if need be)
+        marks = {k: (f"\ue000{salt}:{k}\ue001", f"\ue002{salt}:{k}\ue003") for k in which}
+        if not any(a in used or b in used for a, b in marks.values()):
+            break
+        salt += 1
+    marked = [{**m, "content": f"{marks[k][0]}{m['content']}{marks[k][1]}"} if k in marks else m
+              for k, m in enumerate(messages)]
+    text = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False)
+    starts, removed = {}, 0
+    for k in sorted(which, key=lambda k: text.find(marks[k][0])):
+        begin, end = marks[k]
+        at = text.find(begin)
+        if at < 0 or text.count(begin) != 1 or text.count(end) != 1:
+            raise ValueError("this chat template does not copy message contents verbatim; cannot place private spans")
+        starts[k] = at - removed
+        removed += len(begin) + len(end)
+    for begin, end in marks.values():
+        text = text.replace(begin, "").replace(end, "")
+    if text != rendered or any(rendered[starts[k]: starts[k] + len(messages[k]["content"])] != messages[k]["content"]
+                               for k in which):
+        raise ValueError("this chat template does not copy message contents verbatim; cannot place private spans")
+    return starts
+
+
 def placeholder_token(tokenizer) -> int:
     """The single token id the server sees for every private token."""
     ids = tokenizer.encode(PLACEHOLDER_TEXT, add_special_tokens=False)
@@ -167,8 +202,15 @@ def encode_private_chat(tokenizer, messages: list[dict]) -> tuple[list[int], lis
     private mask [P]). A token is private when it overlaps a private character span (fast
     tokenizers' offset mapping).
 
+    Each message with private spans is found in the rendered prompt by rendering the chat once more
+    with a marker around that message's content, not by searching for its text: the same text can
+    come earlier (a role name, the template's default system prompt, an earlier message), and a
+    search would then mark those and send the private words in clear.
+
     Raises:
-        ValueError: unmatched tags, or a tokenizer without offset mapping while tags are present.
+        ValueError: unmatched tags, a chat template that does not copy message contents verbatim
+            (where private spans cannot be placed), or a tokenizer without offset mapping while tags
+            are present.
     """
     spans_by_message, clean = [], []
     for message in messages:
@@ -181,13 +223,10 @@ def encode_private_chat(tokenizer, messages: list[dict]) -> tuple[list[int], lis
         spans_by_message.append((text, spans))
         clean.append({**message, "content": text})
     rendered = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=False)
-    char_spans, cursor = [], 0
-    for text, spans in spans_by_message:  # locate each message's text in the rendered prompt
-        if not spans:
-            continue
-        at = rendered.index(text, cursor)
-        char_spans += [(at + a, at + b) for a, b in spans]
-        cursor = at + len(text)
+    char_spans = []
+    for k, start in _content_starts(tokenizer, clean, rendered,
+                                    [k for k, (_, spans) in enumerate(spans_by_message) if spans]).items():
+        char_spans += [(start + a, start + b) for a, b in spans_by_message[k][1]]
     full = encode_rendered(tokenizer, rendered)
     if not char_spans:
         return full, [False] * len(full)

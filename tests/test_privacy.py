@@ -55,6 +55,60 @@ def test_encode_private_chat_marks_the_span(stories):
     assert plain == ids and not any(plain_mask)  # tags change nothing but the mask
 
 
+def _masked(tokenizer, messages) -> str:
+    ids, mask = encode_private_chat(tokenizer, messages)
+    return tokenizer.decode([t for t, m in zip(ids, mask) if m])
+
+
+@pytest.mark.parametrize("name", ["stories", "smollm2"])
+def test_private_span_is_masked_where_its_message_is(name, stories, request):
+    """A private message whose text also comes earlier in the prompt (a role name, the template's
+    default system prompt, an earlier public message) is masked in its own message, and only there:
+    a search for the text masked the earlier place and sent the private words in clear."""
+    if name == "smollm2":
+        from splitspec.shared.models import load_tokenizer
+
+        try:
+            tokenizer = load_tokenizer("smollm2-135m")
+        except Exception as err:  # noqa: BLE001  the default target not pulled on this machine
+            pytest.skip(f"smollm2-135m not available: {err}")
+    else:
+        tokenizer = stories[1]
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True,
+                                             tokenize=False)
+    earlier = [w for w in ("user", "Hugging Face", "assistant") if w in rendered.split("x")[0]]
+    chats = [[{"role": "user", "content": "my code is 4711"}, {"role": "assistant", "content": "ok"},
+              {"role": "user", "content": "<private>4711</private>"}]]
+    chats += [[{"role": "user", "content": f"<private>{w}</private>"}] for w in earlier]
+    for chat in chats:
+        secret = parse_private_tags(chat[-1]["content"])[0].text
+        ids, mask = encode_private_chat(tokenizer, chat)
+        assert tokenizer.decode([t for t, m in zip(ids, mask) if m]).strip() == secret
+        last = max(k for k, m in enumerate(mask) if m)
+        # after the masked tokens comes only what the template writes after the last message's content
+        tail = tokenizer.apply_chat_template(chat[:-1] + [{"role": "user", "content": "qqq"}],
+                                             add_generation_prompt=True, tokenize=False).split("qqq")[-1]
+        assert tokenizer.decode(ids[last + 1:]) == tail
+    if name == "smollm2":
+        assert {"user", "Hugging Face"} <= set(earlier)  # the collisions the bug report found are exercised
+    two = [{"role": "user", "content": "<private>alpha</private> and beta"}, {"role": "assistant", "content": "beta"},
+           {"role": "user", "content": "gamma <private>beta</private>"}]
+    assert _masked(tokenizer, two).split() == ["alpha", "beta"]
+
+
+def test_private_spans_need_a_template_that_copies_contents(stories):
+    """A chat template that changes a message's text cannot have private spans placed in it."""
+    _, tokenizer, _ = stories
+    import copy
+
+    shouting = copy.copy(tokenizer)
+    shouting.chat_template = "{% for m in messages %}{{ m['content'] | upper }}\n{% endfor %}"
+    with pytest.raises(ValueError, match="verbatim"):
+        encode_private_chat(shouting, [{"role": "user", "content": "my <private>pin</private>"}])
+    ids, mask = encode_private_chat(shouting, [{"role": "user", "content": "no tags here"}])
+    assert ids and not any(mask)
+
+
 class LeakyDrafter(Drafter):
     """Always proposes the secret as its best path next to a harmless branch: the worst case."""
 
