@@ -20,6 +20,7 @@ them (`StreamEvent.source`):
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -95,10 +96,14 @@ class GenerationStats:
         return sum(c.rtt_ms for c in self.calls)
 
     def as_dict(self) -> dict:
+        """The figures as plain JSON values: tau is None (null) for an answer that made no verify
+        call (one token, from the open call alone), where it is undefined (NaN is not JSON)."""
         rtts = [c.rtt_ms for c in self.calls[1:]] or [0.0]
         servers = [c.server_total_ms for c in self.calls[1:]] or [0.0]
+        tau = self.tau
         return {
-            "new_tokens": self.new_tokens, "target_calls": self.target_calls, "tau": round(self.tau, 3),
+            "new_tokens": self.new_tokens, "target_calls": self.target_calls,
+            "tau": round(tau, 3) if math.isfinite(tau) else None,
             "draft_tokens": self.draft_tokens, "elapsed_s": round(self.elapsed_s, 3),
             "tokens_per_s": round(self.tokens_per_s, 2), "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received, "draft_ms": round(self.draft_ms, 1),
@@ -112,7 +117,8 @@ class GenerationStats:
 
     def summary(self) -> str:
         d = self.as_dict()
-        return (f"[{d['new_tokens']} tokens, {d['target_calls']} target calls, tau {d['tau']:.2f}, "
+        tau = "-" if d["tau"] is None else f"{d['tau']:.2f}"
+        return (f"[{d['new_tokens']} tokens, {d['target_calls']} target calls, tau {tau}, "
                 f"{d['tokens_per_s']:.1f} tok/s, sent {d['bytes_sent']} B, received {d['bytes_received']} B, "
                 f"per call: server {d['verify_server_ms_median']:.1f} ms / round trip {d['verify_rtt_ms_median']:.1f} ms]")
 

@@ -105,3 +105,20 @@ def test_sampling_split_with_draft_model(stories, stories_path, serve):
     plain = greedy.generate(prompt, 40, stop_on_eos=False)  # no draft probabilities travel when greedy
     per_call = lambda g: g.stats.bytes_sent / g.stats.target_calls  # noqa: E731
     assert per_call(runs[0]) > per_call(plain) + 100
+
+
+def test_one_token_answer_has_json_stats(tiny_random):
+    """An answer of one token (the open call's, no verify call) has an undefined tau: its stats say
+    null, not NaN, which is not JSON (the daemon's response failed on it)."""
+    model, tokenizer, model_id = tiny_random
+    prompt = [1, 45, 300, 17, 99, 4, 250]
+    gen = SpeculativeDecoder(LocalVerifier(TargetRunner(model, tokenizer, model_id)), NgramDrafter()).generate(
+        prompt, 1, stop_on_eos=False)
+    assert gen.tokens == reference_greedy(model, prompt, 1) and gen.stats.target_calls == 1
+    stats = gen.stats.as_dict()
+    assert stats["tau"] is None
+    json.dumps(stats, allow_nan=False)
+    assert "tau -," in gen.stats.summary()
+    two = SpeculativeDecoder(LocalVerifier(TargetRunner(model, tokenizer, model_id)), NgramDrafter()).generate(
+        prompt, 3, stop_on_eos=False)
+    assert two.stats.as_dict()["tau"] == round(two.stats.tau, 3) > 0
