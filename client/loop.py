@@ -181,6 +181,7 @@ class SpeculativeDecoder:
             raise ValueError("need a non-empty prompt and max_new_tokens >= 1")
         if privacy is not None and tuple(privacy.prompt_ids) != tuple(prompt_ids):
             raise ValueError("the privacy guard was built for another prompt")
+        self.drafter.reseed(sampling.seed)  # the answer's drafts depend on its seed alone
         run = _Run(self, list(prompt_ids), max_new_tokens, sampling, stop_on_eos, on_tokens, on_event, privacy,
                    should_stop)
         return run.go()

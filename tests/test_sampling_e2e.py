@@ -66,3 +66,25 @@ def test_split_sampling_follows_the_target_distribution(stories, stories_path, s
     assert set(counts) <= set(expected)
     tv = 0.5 * sum(abs(counts[head] / answers - p) for head, p in expected.items())
     assert tv < 0.12, (counts, expected)
+
+
+@pytest.mark.parametrize("lookup", [False, True])
+def test_a_seed_gives_the_same_sampled_answer_whatever_came_before(stories, stories_path, lookup):
+    """The drafter's random stream restarts from each answer's seed: the same seed gives the same
+    answer after answers with other seeds (it drifted with them before, which the daemon's QA found:
+    the same request and seed, another text on the second call)."""
+    from splitspec.server.local import LocalVerifier
+
+    model, tokenizer, model_id = stories
+    draft, _, _ = load_model(f"{stories_path}@layers=2")
+    drafter = DraftModelDrafter(draft, TreeConfig(depth=2, top_b=2, max_nodes=4))
+    if lookup:
+        drafter = PromptLookupMerge(drafter, depth=4)
+    decoder = SpeculativeDecoder(LocalVerifier(TargetRunner(model, tokenizer, model_id)), drafter)
+    prompt = tokenizer("Lily saw a big")["input_ids"]
+    sampling = lambda seed: SamplingParams(temperature=1.0, seed=seed)  # noqa: E731
+    first = decoder.generate(prompt, 24, sampling(5), stop_on_eos=False)
+    others = [decoder.generate(prompt, 24, sampling(s), stop_on_eos=False).tokens for s in (6, 7)]
+    again = decoder.generate(prompt, 24, sampling(5), stop_on_eos=False)
+    assert again.tokens == first.tokens and again.stats.target_calls == first.stats.target_calls
+    assert any(o != first.tokens for o in others)

@@ -12,7 +12,7 @@ from typing import Sequence
 
 from splitspec.shared.acceptance import SparseProbs
 from splitspec.shared.features import FeatureBatch, FeatureRequest
-from splitspec.shared.sampling import SamplingParams
+from splitspec.shared.sampling import SamplingParams, Stream, make_generator
 from splitspec.shared.tree import DraftTree
 
 
@@ -63,6 +63,14 @@ class Drafter(ABC):
             ValueError: (drafters that read features) the features do not start where the drafter's
                 verified positions end (`check_contiguous`).
         """
+
+    def reseed(self, seed: int) -> None:
+        """Restart the drafter's random stream (`Stream.DRAFTER`, shared/sampling.py) from the user's
+        `seed`: the loop calls it at the start of every answer, so that a sampled answer's drafts, and
+        with them the target's draws, depend on its seed alone, not on the answers drawn before it.
+        Drafters that keep no `generator` have nothing to restart."""
+        if "generator" in vars(self):
+            self.generator = make_generator(seed, Stream.DRAFTER)
 
     def report(self) -> dict:
         """What the drafter adapted while it ran (JSON-serialisable; SWIFT: its skip-set search),

@@ -139,6 +139,9 @@ class PromptLookupMerge(Drafter):
             self._added = set()
         self.inner.commit(new_tokens, features)
 
+    def reseed(self, seed: int) -> None:
+        self.inner.reseed(seed)
+
     def rollback(self, length: int) -> None:
         self._added = set()
         self.inner.rollback(length)
