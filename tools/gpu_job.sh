@@ -6,7 +6,7 @@
 # 1. for DISTILL_S seconds, distil the target's answers to the DTURNS user turns of ShareGPT (default
 #    middle: the 7,733 later turns of <= 768 tokens that are neither a conversation's first nor its deepest,
 #    which no file answered before session 51) into data/smollm2-answers-$DTURNS-cuda.jsonl, resumed from
-#    .gpu-b/data when an earlier GPU brought part of it home, up to prompt DLIMIT (default: all). The first-
+#    .gpu-b/.gpu-c/.gpu-d's data when an earlier GPU brought part of it home, up to prompt DLIMIT (default: all). The first-
 #    turn prompts of <= 256 tokens are all answered since session 24, the deepest later turns since
 #    sessions 42-43 (DTURNS=later DLIMIT=8600 extends smollm2-answers-later-cuda.jsonl, as before), the long
 #    first turns since session 43. DCACHE=static (the default) generates into one preallocated cache,
@@ -43,9 +43,10 @@ nvidia-smi --query-gpu=name,memory.total --format=csv >> "$OUT/job.log" 2>&1
 python3 -c "import torch, transformers; print('torch', torch.__version__, torch.cuda.is_available(), 'transformers', transformers.__version__)" >> "$OUT/job.log" 2>&1
 
 GROWN=smollm2-answers-$DTURNS-cuda.jsonl
-if [ ! -f "$R/$GROWN" ] && [ -f ".gpu-b/data/$GROWN.xz" ]; then  # distill-data extends a plain file
+CARRIED=$(ls .gpu-b/data/$GROWN.xz .gpu-c/data/$GROWN.xz .gpu-d/data/$GROWN.xz 2>/dev/null | head -1)
+if [ ! -f "$R/$GROWN" ] && [ -n "$CARRIED" ]; then  # distill-data extends a plain file
   python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), sys.stdout.buffer)" \
-    ".gpu-b/data/$GROWN.xz" > "$R/$GROWN"
+    "$CARRIED" > "$R/$GROWN"
 fi
 records() { [ -f "$R/$GROWN" ] && echo $(( $(wc -l < "$R/$GROWN") - 1 )) || echo 0; }
 distill() {  # $1 cache, $2 seconds; the header of the grown file fixes the settings (batch and device included)
@@ -69,7 +70,7 @@ if [ -n "${CALL_END:-}" ]; then  # leave ~100 s for loading, the final evaluatio
   fit=$(python3 -c "print(round(max(0.5, min($TRAIN_MIN, ($CALL_END - $(date +%s) - 100) / 60)), 2))")
   if python3 -c "import sys; sys.exit(0 if $fit < $TRAIN_MIN else 1)"; then log "TRAIN_MIN $TRAIN_MIN -> $fit (CALL_END)"; TRAIN_MIN=$fit; fi
 fi
-DATA=$(ls .gpu-b/data/*.jsonl.xz .gpu-c/data/*.jsonl.xz 2>/dev/null | grep -v "/$GROWN.xz$" | paste -sd, -)
+DATA=$(ls .gpu-b/data/*.jsonl.xz .gpu-c/data/*.jsonl.xz .gpu-d/data/*.jsonl.xz 2>/dev/null | grep -v "/$GROWN.xz$" | paste -sd, -)
 [ "$(records)" -gt 0 ] && DATA=$DATA,$R/$GROWN  # the grown file as it is now (no records: not at all)
 train() {  # $1 dtype, $2 minutes, $3 run folder
   timeout $(python3 -c "print(int($2 * 60 + 150))") splitspec train --drafter "$DRAFTERS" --device "$DEVICE" \

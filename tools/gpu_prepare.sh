@@ -23,6 +23,9 @@
 #   .gpu-d/moa-tli1  only with WITH_TLI1=1: the shipped moa-tli1, for DRAFTERS=moa,eagle2,moa:tli=1
 #                  (tools/gpu_job.sh). It has no room in .gpu-c (58 MB without it), so it travels in a
 #                  fourth call before .gpu-c's, carry [".gpu-d"], `rm -rf /tmp/gpu-d && cp -r .gpu-d /tmp/gpu-d`.
+#   .gpu-d/data    the distilled files named in D_DATA (default: the middle-turn answers a GPU brings
+#                  home, session 51's tools/gpu_job.sh): .gpu-b and .gpu-c are full (62-63 MiB of 64 with
+#                  the checkout in session 51), so these travel in that fourth call too, whenever one exists
 # Run from the checkout with `../shared/gpu/slim.sh on` first (and `off` before any commit).
 # Each folder must stay under the 64 MiB a transfer carries (printed at the end).
 set -euo pipefail
@@ -49,16 +52,19 @@ mkdir -p .gpu-b/wheels .gpu-b/data .gpu-c/init .gpu-c/wheels
 cp -r "$root/../shared/models/stories260K" .gpu-c/
 rm -rf .gpu-b/data .gpu-c/data && mkdir -p .gpu-b/data .gpu-c/data  # no earlier session's copy stays behind
 C_DATA=${C_DATA:-smollm2-answers-later-cpu smollm2-answers-long-cpu}
+D_DATA=${D_DATA:-smollm2-answers-middle-cuda}
+rm -rf .gpu-d
 shopt -s nullglob  # either kind of file may be absent
 for f in data/smollm2-answers*.jsonl data/smollm2-answers*.jsonl.gz; do
   name=$(basename "$f" .gz)
   dest=.gpu-b/data; case " $C_DATA " in *" ${name%.jsonl} "*) dest=.gpu-c/data;; esac
+  case " $D_DATA " in *" ${name%.jsonl} "*) dest=.gpu-d/data; mkdir -p "$dest";; esac
   case "$f" in *.gz) gunzip -c "$f";; *) cat "$f";; esac | xz -9 -T2 -c > "$dest/$name.xz"
 done
 shopt -u nullglob
 cp -r client/checkpoints/smollm2-135m/moa-tli0 client/checkpoints/smollm2-135m/eagle2 .gpu-c/init/
-rm -rf .gpu-d
 if [ "${WITH_TLI1:-0}" = 1 ]; then mkdir -p .gpu-d && cp -r client/checkpoints/smollm2-135m/moa-tli1 .gpu-d/; fi
+[ -d .gpu-d ] && echo "gpu_prepare: .gpu-d holds $(ls .gpu-d | paste -sd' ' -): carry it in a fourth call before .gpu-c's"
 rm -rf .gpu-e && mkdir -p .gpu-e/wheels && cp .gpu-a/*.whl .gpu-b/wheels/*.whl .gpu-c/wheels/*.whl .gpu-e/wheels/
 cp -r .gpu-c/stories260K .gpu-e/
 cp tools/gpu_job.sh .gpu-c/job.sh
