@@ -12,10 +12,13 @@ import sys
 from dataclasses import asdict
 from functools import partial
 
+import grpc
+
 from splitspec.shared.config import TreeConfig
 from splitspec.shared.drafters.spec import DEFAULT_DRAFT_VOCAB, DEFAULT_LOOKUP, QUANTIZATIONS, DrafterSpec
 from splitspec.shared.models import DEFAULT_TARGET, chat_sampling_defaults
 from splitspec.shared.sampling import SamplingParams
+from splitspec.shared.verifier import LinkDown
 
 from .history import ChatHistory, default_path
 from .privacy import PrivacyGuard, encode_private_chat, placeholder_token
@@ -44,12 +47,32 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
 
+def server_address(value: str) -> str:
+    """argparse type of --server: HOST:PORT with a port in 1..65535 (gRPC would take 83587 as 18051)."""
+    host, colon, port = value.strip().rpartition(":")
+    if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected HOST:PORT with a port in 1..65535")
+    return value.strip()
+
+
+def _at_least(low: float, kind=float, strict: bool = False):
+    """argparse type: a number >= `low` (> `low` when `strict`)."""
+    def parse(value: str):
+        number = kind(value)
+        if not (number > low if strict else number >= low) or number != number:
+            raise argparse.ArgumentTypeError(f"{value}: must be {'>' if strict else '>='} {low:g}")
+        return number
+    parse.__name__ = kind.__name__  # argparse names the type in its "invalid value" message
+    return parse
+
+
 def add_client_args(p: argparse.ArgumentParser, chat: bool = False) -> None:
     """The flags generate, chat and up share. `chat`: sampling by default (temperature and top-p
     from the target's generation config, else 0.7 / 0.9: small models loop under greedy
     decoding); else greedy by default."""
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--server", default="127.0.0.1:50051", help="verify service HOST:PORT (split mode)")
+    where.add_argument("--server", default="127.0.0.1:50051", type=server_address,
+                       help="verify service HOST:PORT (split mode)")
     where.add_argument("--local", action="store_true", help="single-device mode: target in this process")
     p.add_argument("--target", default=None,
                    help=f"target model: loaded here with --local (default {DEFAULT_TARGET}); with --server, "
@@ -73,7 +96,7 @@ def add_client_args(p: argparse.ArgumentParser, chat: bool = False) -> None:
                         f"{DEFAULT_LOOKUP} for every drafter but none and ngram; when sampling, only below the "
                         "drafter's leaves)")
     p.add_argument("--no-spec", action="store_true", help="baseline: one target call per token")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=_at_least(1, int), default=256)
     if chat:
         p.add_argument("--temperature", type=float, default=None,
                        help="0 = greedy; default: the target's generation config, else 0.7")
@@ -96,18 +119,19 @@ def add_client_args(p: argparse.ArgumentParser, chat: bool = False) -> None:
                    help="network-aware trees: pick each step's depth, top-B and nodes from the measured link, "
                         "verify and drafting times and acceptance (moa, eagle2, falcon, draft-model; client/tree_planner.py)")
     p.add_argument("--system", default=None, help="system prompt (chat template)")
-    p.add_argument("--timeout", type=float, default=60.0, help="deadline of Info and OpenSession calls, s")
-    p.add_argument("--step-timeout", type=float, default=10.0,
+    p.add_argument("--timeout", type=_at_least(0, strict=True), default=60.0,
+                   help="deadline of Info and OpenSession calls, s")
+    p.add_argument("--step-timeout", type=_at_least(0, strict=True), default=10.0,
                    help="deadline of each Verify step, s; missing it continues offline")
-    p.add_argument("--connect-timeout", type=float, default=10.0, help="wait for the server, s")
-    p.add_argument("--busy-wait", type=float, default=60.0,
+    p.add_argument("--connect-timeout", type=_at_least(0, strict=True), default=10.0, help="wait for the server, s")
+    p.add_argument("--busy-wait", type=_at_least(0), default=60.0,
                    help="while the server is full (max sessions, KV budget, rate limit), retry opening a "
                         "session with backoff for this long, s (0 = fail at once)")
     p.add_argument("--on-reconnect", default="heal", choices=["heal", "keep"],
                    help="offline text the target rejects: replace it with the target's continuation, or keep it")
     p.add_argument("--no-offline", action="store_true",
                    help="fail when the server is unreachable instead of continuing with the drafter alone")
-    p.add_argument("--private-ngram", type=int, default=2,
+    p.add_argument("--private-ngram", type=_at_least(1, int), default=2,
                    help="withhold drafts completing this many consecutive tokens of <private> text (1 = any)")
     p.add_argument("--auth-token-file", default=None, help="bearer token file (first token; else $SPLITSPEC_AUTH_TOKEN)")
     p.add_argument("--tls-ca", default=None, help="PEM CA bundle to verify the server (enables TLS)")
@@ -180,8 +204,23 @@ def cmd_generate(args, local_verifier=None) -> None:
                           "stopped_by_eos": gen.stopped_by_eos, "stats": gen.stats.as_dict(),
                           "calls": [asdict(c) for c in gen.stats.calls]}))
     else:
+        if gen.context_full:
+            print(f"\n(the target's context of {setup.decoder.verifier.info.max_context} tokens is full)", end="")
         print(f"\n{gen.stats.summary()}")
     setup.decoder.verifier.close()
+
+
+def _chat_turn(setup, args, history_db, conversation: int, line: str, prompt_ids, privacy, stream):
+    """One chat answer, streamed and stored as it grows; the stored answer stays incomplete when the
+    turn fails (the error propagates)."""
+    history_db.add_message(conversation, "user", line)
+    answer = history_db.add_message(conversation, "assistant", "", complete=False)
+    writer = history_db.answer_writer(answer)
+    print("bot> ", end="", flush=True)
+    gen = setup.decoder.generate(prompt_ids, args.max_new_tokens, setup.sampling, privacy=privacy,
+                                 on_event=lambda e: (writer(e), stream(e)))
+    history_db.finish(answer, setup.tokenizer.decode(gen.tokens, skip_special_tokens=True))
+    return gen
 
 
 def cmd_chat(args, local_verifier=None) -> None:
@@ -211,27 +250,37 @@ def cmd_chat(args, local_verifier=None) -> None:
         if line == "/reset":
             history.clear()
             conversation = history_db.new_conversation(setup.target, setup.decoder.drafter.name)
+            last_stats = None
             print("(new conversation)")
             continue
         if line == "/stats":
             print(last_stats.summary() if last_stats else "(no answer yet)")
+            continue
+        if line.startswith("//"):  # a message that begins with "/"
+            line = line[1:]
+        elif line.startswith("/"):
+            print(f"(unknown command {line.split()[0]}: /reset /stats /quit; start with // to send a line that "
+                  "begins with /)")
             continue
         try:
             prompt_ids, privacy = _encode(setup, args, _messages(args, history + [{"role": "user", "content": line}]))
         except ValueError as err:
             print(f"({err})")
             continue
-        history.append({"role": "user", "content": line})
-        history_db.add_message(conversation, "user", line)
-        answer = history_db.add_message(conversation, "assistant", "", complete=False)
-        stream, writer = TextStream(setup.tokenizer), history_db.answer_writer(answer)
-        print("bot> ", end="", flush=True)
-        gen = setup.decoder.generate(prompt_ids, args.max_new_tokens, setup.sampling, privacy=privacy,
-                                     on_event=lambda e: (writer(e), stream(e)))
+        stream = TextStream(setup.tokenizer)
+        try:
+            gen = _chat_turn(setup, args, history_db, conversation, line, prompt_ids, privacy, stream)
+        except (ValueError, LinkDown, grpc.RpcError) as err:  # this turn fails; the conversation goes on
+            reason = f"the verify service answered {err.code().name}: {err.details()}" \
+                if isinstance(err, grpc.RpcError) else str(err)
+            print(f"\n(no answer: {reason}; /reset starts a new conversation)")
+            continue
         text = setup.tokenizer.decode(gen.tokens, skip_special_tokens=True)
-        history_db.finish(answer, text)
-        history.append({"role": "assistant", "content": text})
+        history += [{"role": "user", "content": line}, {"role": "assistant", "content": text}]
         last_stats = gen.stats
+        if gen.context_full:
+            print(f"\n(the target's context of {setup.decoder.verifier.info.max_context} tokens is full: /reset "
+                  "starts a new conversation)", end="")
         print()
     history_db.close()
     setup.decoder.verifier.close()

@@ -132,6 +132,7 @@ class Generation:
     stats: GenerationStats
     stopped_by_eos: bool
     sources: list[Provenance] = field(default_factory=list)
+    context_full: bool = False  # the answer stopped because the target's context holds no more tokens
 
     @property
     def verified(self) -> bool:
@@ -169,10 +170,13 @@ class SpeculativeDecoder:
         `should_stop`: polled as the answer grows; True ends it early, as EOS would (a stop string
         seen, a listener gone; offline text is still verified first, and a retraction may make it
         false again).
+        The answer stops where the target's context (`ServerInfo.max_context`) is full, with
+        `context_full` set, and no step sends more positions than the context has room for.
         Returns:
             The answer and its stats.
         Raises:
-            ValueError: max_new_tokens < 1, an empty prompt, or a privacy guard for another prompt.
+            ValueError: max_new_tokens < 1, an empty prompt, a prompt that fills the target's context,
+                or a privacy guard for another prompt.
             LinkDown: the server is unreachable at the start, offline continuation is disabled, or the
                 drafter cannot write alone and the link stays down for `final_wait_s`.
             grpc.RpcError: a refusal from a remote verifier.
@@ -181,10 +185,17 @@ class SpeculativeDecoder:
             raise ValueError("need a non-empty prompt and max_new_tokens >= 1")
         if privacy is not None and tuple(privacy.prompt_ids) != tuple(prompt_ids):
             raise ValueError("the privacy guard was built for another prompt")
+        room = self.verifier.info.max_context - len(prompt_ids)
+        if room < 1:
+            raise ValueError(f"the prompt's {len(prompt_ids)} tokens fill the target's context of "
+                             f"{self.verifier.info.max_context} tokens")
         self.drafter.reseed(sampling.seed)  # the answer's drafts depend on its seed alone
-        run = _Run(self, list(prompt_ids), max_new_tokens, sampling, stop_on_eos, on_tokens, on_event, privacy,
-                   should_stop)
-        return run.go()
+        run = _Run(self, list(prompt_ids), min(max_new_tokens, room), sampling, stop_on_eos, on_tokens, on_event,
+                   privacy, should_stop)
+        generation = run.go()
+        generation.context_full = (max_new_tokens > room and len(generation.tokens) >= room
+                                   and not generation.stopped_by_eos)
+        return generation
 
 
 class _Run:
@@ -304,15 +315,19 @@ class _Run:
     def _step(self) -> None:
         """One Verify call, as `plan_step` decides it; the drafter proposes when the plan asks."""
         info = self.verifier.info
-        plan = plan_step(self.answer, self.server, StepLimits(info.max_tree_depth, info.max_tree_nodes,
-                                                                sampled=not self.sampling.greedy))
+        limits = StepLimits(info.max_tree_depth, info.max_tree_nodes, sampled=not self.sampling.greedy)
+        plan = plan_step(self.answer, self.server, limits)
         if plan is None:
             return
+        room = self._room(len(plan.forced))
+        if plan.tree is not None and plan.tree.size > room:  # an offline chain longer than the context's room
+            plan = plan_step(self.answer, self.server, StepLimits(min(limits.max_tree_depth, room),
+                                                                  min(limits.max_tree_nodes, room), limits.sampled))
         tree, probs = plan.tree, plan.draft_probs
         drafted, own_nodes = tree is None, None
         if drafted:
             draft_start = self.stats.draft_ms
-            proposal = self._propose()
+            proposal = self._propose(room)
             if proposal is None:
                 return  # privately produced tokens were written; no call needed for them yet
             tree, probs, own_nodes = proposal.tree, proposal.draft_probs, proposal.drafted
@@ -325,11 +340,12 @@ class _Run:
             self.planner.observe(tree, result.accepted_tokens, result.stats, self.stats.draft_ms - draft_start,
                                  drafted=own_nodes, commit_ms=self._commit_ms)
 
-    def _propose(self):
+    def _propose(self, room: int):
+        """The drafter's tree for the next step; `room`: the most nodes the target's context takes."""
         answer = self.answer
         tic = time.perf_counter()
         # the tree's depth leaves room for the bonus token within the budget
-        limits = self._limits(answer.budget - answer.answer_len - 1)
+        limits = self._limits(answer.budget - answer.answer_len - 1, room)
         if self.planner is not None:
             tree = self.planner.choose(limits.max_depth, limits.max_nodes)
             shape = "none" if tree is None else f"{tree.depth}x{tree.top_b}x{tree.max_nodes}"
@@ -348,10 +364,16 @@ class _Run:
             return None
         return self.privacy.prune(answer.context, proposal)
 
-    def _limits(self, depth: int) -> DraftLimits:
+    def _limits(self, depth: int, room: int | None = None) -> DraftLimits:
         info = self.verifier.info
-        return DraftLimits(max_depth=min(depth, info.max_tree_depth), max_nodes=info.max_tree_nodes,
+        nodes = info.max_tree_nodes if room is None else min(info.max_tree_nodes, room)
+        return DraftLimits(max_depth=min(depth, info.max_tree_depth, nodes), max_nodes=nodes,
                            max_support=info.max_draft_support)
+
+    def _room(self, forced: int) -> int:
+        """Tree nodes the target's context still takes in a step that commits `forced` tokens (or the
+        pending one): the server counts the cached context, those tokens and the tree."""
+        return max(0, self.verifier.info.max_context - self.server.cached - max(forced, 1))
 
     def _record(self, result: StepResult) -> None:
         self.stats.calls.append(result.stats)

@@ -66,7 +66,8 @@ class OracleDrafter(Drafter):
         pass
 
     def propose(self, context, limits, sampling) -> Proposal:
-        truth = self.full[len(context): len(context) + min(self.depth, limits.max_depth)]
+        depth = min(self.depth, limits.max_depth, limits.max_nodes // (self.wrong + 1))  # within the node limit
+        truth = self.full[len(context): len(context) + depth]
         tokens, parents, parent = [], [], -1
         for tok in truth:
             wrongs = [(tok + k) % self.vocab for k in range(1, self.wrong + 1)]

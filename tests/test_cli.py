@@ -81,6 +81,51 @@ def test_chat_commands_and_history(stories_path, monkeypatch, capsys, tmp_path):
     assert code == 0 and "2 earlier messages" in out
 
 
+def test_chat_goes_on_when_a_turn_fails_or_the_context_is_full(stories, stories_path, serve, monkeypatch, capsys,
+                                                               tmp_path):
+    """An answer that fills the target's context ends there and says so; a turn the service refuses
+    (the next prompt no longer fits) is explained and the chat goes on; /reset starts again; an
+    unknown /command is not sent to the model; /stats after /reset has no answer (QA of the CLI:
+    the chat ended with the refusal, /bogus went to the model)."""
+    from splitspec.client.history import ChatHistory
+    from splitspec.shared.config import ServerLimits
+
+    model, tokenizer, model_id = stories
+    server = serve(TargetRunner(model, tokenizer, model_id), ServerLimits(max_context=64))
+    db = tmp_path / "chat.sqlite3"
+    monkeypatch.setattr("sys.stdin", io.StringIO(
+        "Once upon a time\nAnd then?\n/bogus\n/stats\n/reset\n/stats\nHi\n/quit\n"))
+    code, out, err = _run(capsys, ["chat", "--server", server.address, "--target", str(stories_path),
+                                   "--drafter", "ngram", "--max-new-tokens", "100", "--temperature", "0",
+                                   "--history", str(db)])
+    assert code == 0, err
+    before, after = out.split("(new conversation)")
+    assert before.count("context of 64 tokens is full") == 1 and after.count("context of 64 tokens is full") == 1
+    refused = before.split("is full")[1]
+    assert "(no answer: " in refused and "fill the target's context" in refused
+    assert "(unknown command /bogus" in before and "target calls" in before  # /stats: the first answer's
+    assert after.count("(no answer yet)") == 1 and after.count("bot>") == 1
+    history = ChatHistory(db)
+    last = history.last_conversation()
+    assert [(m["role"], bool(m["complete"])) for m in history.messages(last)] == [("user", True), ("assistant", True)]
+    assert all(m["content"] != "/bogus" for m in history.messages(last - 1))
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--server", "127.0.0.1:83587", "port in 1..65535"), ("--server", "", "HOST:PORT"),
+    ("--timeout", "-1", "must be > 0"), ("--step-timeout", "0", "must be > 0"),
+    ("--connect-timeout", "0", "must be > 0"), ("--busy-wait", "-1", "must be >= 0"),
+    ("--max-new-tokens", "0", "must be >= 1"), ("--private-ngram", "0", "must be >= 1"),
+    ("--timeout", "soon", "invalid float value"),
+])
+def test_client_flags_out_of_range_are_refused_up_front(flag, value, message, capsys):
+    """Values that used to be taken as something else (a port modulo 65536, every step timing out
+    at once, an error blamed on the service) are refused by the parser, before any model loads."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--prompt", "hi", flag, value])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_tokenizer_mismatch_is_refused(stories_path, serve, stories, capsys, tiny_random):
     model, tokenizer, model_id = stories

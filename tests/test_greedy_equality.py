@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -122,3 +123,30 @@ def test_one_token_answer_has_json_stats(tiny_random):
     two = SpeculativeDecoder(LocalVerifier(TargetRunner(model, tokenizer, model_id)), NgramDrafter()).generate(
         prompt, 3, stop_on_eos=False)
     assert two.stats.as_dict()["tau"] == round(two.stats.tau, 3) > 0
+
+
+@pytest.mark.parametrize("mode", ["local", "split"])
+def test_the_answer_stops_where_the_targets_context_is_full(tiny_random, serve, mode):
+    """An answer asked for more tokens than the target's context holds ends there, equal to the
+    target's greedy tokens, with every step's tree cut to the room left (the server refused the step
+    that overflowed it, and the chat command ended, before: QA); a prompt that fills the context is
+    refused before any call."""
+    from splitspec.shared.config import ServerLimits
+
+    model, tokenizer, model_id = tiny_random
+    prompt = [1, 45, 300, 17, 99, 4, 250]
+    context = 30
+    runner = TargetRunner(model, tokenizer, model_id)
+    if mode == "split":
+        verifier = RemoteVerifier(serve(runner, ServerLimits(max_context=context)).address)
+    else:
+        verifier = LocalVerifier(runner)
+        verifier.info = dataclasses.replace(verifier.info, max_context=context)
+    ref = reference_greedy(model, prompt, context - len(prompt))
+    for drafter in (OracleDrafter(prompt, ref, 512, right=True, depth=4, wrong_siblings=2), NgramDrafter()):
+        gen = SpeculativeDecoder(verifier, drafter).generate(prompt, 100, stop_on_eos=False)
+        assert gen.tokens == ref and gen.context_full
+    short = SpeculativeDecoder(verifier, NgramDrafter()).generate(prompt, 5, stop_on_eos=False)
+    assert short.tokens == ref[:5] and not short.context_full
+    with pytest.raises(ValueError, match="fill the target's context"):
+        SpeculativeDecoder(verifier, NgramDrafter()).generate(list(range(1, context + 1)), 4)
