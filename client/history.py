@@ -61,6 +61,8 @@ class ChatHistory:
                  "title": (title or "")[:80]} for i, created, target, drafter, count, title in rows]
 
     def has_conversation(self, conversation: int) -> bool:
+        if not -2**63 <= conversation < 2**63:  # beyond SQLite's INTEGER (it would raise OverflowError)
+            return False
         return self.db.execute("SELECT 1 FROM conversations WHERE id = ?", (conversation,)).fetchone() is not None
 
     def last_conversation(self) -> int | None:
@@ -85,9 +87,11 @@ class ChatHistory:
         return self.db.execute("SELECT token, source FROM tokens WHERE message = ? ORDER BY position",
                                (message,)).fetchall()
 
-    def finish(self, message: int, content: str) -> None:
+    def finish(self, message: int, content: str, complete: bool = True) -> None:
+        """Store an answer's text; `complete` False: it was cut short (cancelled, failed)."""
         with self.db:
-            self.db.execute("UPDATE messages SET content = ?, complete = 1 WHERE id = ?", (content, message))
+            self.db.execute("UPDATE messages SET content = ?, complete = ? WHERE id = ?",
+                            (content, int(complete), message))
 
     def recover(self, message: int, tokenizer) -> str:
         """The text of an interrupted answer from its committed token rows."""

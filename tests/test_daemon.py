@@ -6,6 +6,7 @@ mid-stream cancels its answer and the daemon serves on."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import threading
@@ -20,7 +21,9 @@ httpx = pytest.importorskip("httpx")
 
 from splitspec.client.build import ClientConfig, ClientSetup, build_client  # noqa: E402
 from splitspec.client.daemon.cli import DaemonServer, daemon_app  # noqa: E402
+from splitspec.client.daemon.schema import parse_request  # noqa: E402
 from splitspec.client.drafters import DraftModelDrafter, NgramDrafter  # noqa: E402
+from splitspec.client.history import ChatHistory  # noqa: E402
 from splitspec.client.loop import OFFLINE, SpeculativeDecoder  # noqa: E402
 from splitspec.server.local import LocalVerifier  # noqa: E402
 from splitspec.server.runner import TargetRunner  # noqa: E402
@@ -81,7 +84,7 @@ def _client(server: DaemonServer, key: str = "unused") -> "openai.OpenAI":
 
 def _post(server: DaemonServer, body, **kw) -> httpx.Response:
     content = body if isinstance(body, (bytes, str)) else json.dumps(body)
-    return httpx.post(f"{server.url}/v1/chat/completions", content=content, timeout=120,
+    return httpx.post(f"{server.url}/v1/chat/completions", content=content, timeout=kw.pop("timeout", 120),
                       headers={"Content-Type": "application/json", **kw.pop("headers", {})}, **kw)
 
 
@@ -152,6 +155,11 @@ def test_stop_strings_cut_the_answer(runner, start, expected):
     cut = want[: want.index(stop)]
     reply = _post(server, _request(runner.model_id, stop=[stop])).json()
     assert reply["choices"][0]["message"]["content"] == cut and reply["choices"][0]["finish_reason"] == "stop"
+    # usage counts the answer's tokens, not those the last step accepted past the stop string
+    ids = reference_greedy(runner.model, encode_chat(runner.tokenizer, [{"role": "user", "content": PROMPT}]), N_NEW)
+    answer_tokens = next(k for k in range(len(ids) + 1)
+                         if len(runner.tokenizer.decode(ids[:k], skip_special_tokens=True)) >= len(cut))
+    assert reply["usage"]["completion_tokens"] == answer_tokens
     chunks = [c.model_dump() for c in _client(server).chat.completions.create(
         **_request(runner.model_id, stop=stop), stream=True)]
     assert _replay(chunks) == cut and chunks[-1]["choices"][0]["finish_reason"] == "stop"
@@ -191,6 +199,26 @@ def test_private_spans_by_field_and_by_tag_alike(runner, start):
     ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}, 400, "messages",
      "context_length_exceeded"),
     ({"model": "M", "messages": [{"role": "user", "content": "x" * 70000}]}, 413, None, "request_too_large"),
+    # a union type's error names the field, not pydantic's branch (`content.str`, `stop.str`)
+    ({"model": "M", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "messages.0.content", "invalid_value"),
+    ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "stop": 5}, 400, "stop", "invalid_value"),
+    ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "stop": ["a", 5]}, 400, "stop", "invalid_value"),
+    # strict types, as OpenAI's
+    ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400, "stream", "invalid_value"),
+    ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "3"}, 400, "max_tokens",
+     "invalid_value"),
+    ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_tokens": True}, 400, "max_tokens",
+     "invalid_value"),
+    ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3.0}, 400, "max_tokens",
+     "invalid_value"),
+    ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}},
+     400, "stream_options", "invalid_value"),
+    # input that is not a validation error: a lone surrogate (valid JSON, not Unicode), JSON too deep to parse
+    ({"model": "M", "messages": [{"role": "user", "content": "a\ud800b"}]}, 400, "messages.0.content",
+     "invalid_value"),
+    ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "user": "\udfff"}, 400, None, "invalid_value"),
+    (b'{"model": "M", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, None, None),
 ])
 def test_bad_requests_get_openai_errors(runner, start, body, status, param, code):
     server = start(_local_setup(runner))
@@ -218,10 +246,13 @@ def test_api_key_is_required_when_set(runner, start):
     assert _post(server, body).status_code == 401
     assert _post(server, body, headers={"Authorization": "Bearer wrong"}).json()["error"]["code"] == "invalid_api_key"
     assert _post(server, body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    assert _post(server, body, headers={"Authorization": "bearer s3cret"}).status_code == 200  # the scheme: any case
+    assert _post(server, body).headers["www-authenticate"] == "Bearer"
     with pytest.raises(openai.AuthenticationError):
         _client(server, "wrong").models.list()
     assert _client(server, "s3cret").models.list().data
     assert httpx.get(f"{server.url}/health").status_code == 200  # health needs no key
+    assert httpx.head(f"{server.url}/health").status_code == 200
 
 
 class GatedDecoder(SpeculativeDecoder):
@@ -377,3 +408,188 @@ def test_up_builds_the_client_on_the_thread_that_writes_the_answers(runner, stor
                                       str(tmp_path / "chat.sqlite3")])
     daemon_cli.cmd_up(args)
     assert seen["build"] is seen["worker"] and seen["worker"] is not threading.main_thread()
+
+
+def _strict_json(text: str):
+    """json.loads refusing NaN and Infinity, as JavaScript's JSON.parse does."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_one_token_answer_is_valid_json(runner, start):
+    """One token needs no verify call: tau is no number then, and the answer is still valid JSON."""
+    server = start(_local_setup(runner))
+    reply = _post(server, _request(runner.model_id, max_tokens=1))
+    assert reply.status_code == 200, reply.text
+    tau = _strict_json(reply.text)["splitspec"]["stats"]["tau"]
+    assert tau is None or math.isfinite(tau)
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=60, headers={"Content-Type": "application/json"},
+                      content=json.dumps(_request(runner.model_id, max_tokens=1, stream=True))) as stream:
+        events = [line[len("data: "):] for line in stream.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and all(_strict_json(e) for e in events[:-1])
+
+
+def test_null_n_and_stream_are_their_defaults(runner, start):
+    server = start(_local_setup(runner))
+    reply = _post(server, _request(runner.model_id, max_tokens=2, n=None, stream=None, stream_options=None))
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["object"] == "chat.completion"
+
+
+def test_foreign_host_and_non_json_bodies_are_refused(runner, start, tmp_path):
+    """DNS rebinding (a page whose name now points at 127.0.0.1 reads the chat history) and a cross-site
+    form or text/plain post (which a browser sends without asking the daemon first) are refused;
+    real clients, the chat page and health checkers are not."""
+    server = start(_local_setup(runner), history=ChatHistory(tmp_path / "chat.sqlite3"))
+    port = server.port
+    for host in (f"attacker.example:{port}", "attacker.example", f"127.0.0.1.attacker.example:{port}", ""):
+        for path in ("/splitspec/conversations", "/v1/models", "/"):
+            reply = httpx.get(f"{server.url}{path}", headers={"Host": host})
+            assert reply.status_code == 403 and reply.json()["error"]["code"] == "host_not_allowed", (host, path)
+    assert httpx.get(f"{server.url}/health", headers={"Host": "attacker.example"}).status_code == 200
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "LOCALHOST", "127.0.0.2"):
+        assert httpx.get(f"{server.url}/splitspec/conversations", headers={"Host": host}).status_code == 200, host
+
+    body = json.dumps(_request(runner.model_id, max_tokens=2))
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None):
+        headers = {"Content-Type": content_type} if content_type else {}
+        reply = httpx.post(f"{server.url}/v1/chat/completions", content=body, headers=headers, timeout=60)
+        assert reply.status_code == 415 and reply.json()["error"]["code"] == "unsupported_media_type", content_type
+        reply = httpx.post(f"{server.url}/splitspec/conversations", content="{}", headers=headers)
+        assert reply.status_code == 415, content_type
+    assert _post(server, body, headers={"Content-Type": "application/json; charset=utf-8"}).status_code == 200
+    assert httpx.post(f"{server.url}/splitspec/conversations").status_code == 200  # curl -X POST: no body
+    assert httpx.post(f"{server.url}/splitspec/conversations", json={}).status_code == 200  # the chat page
+    assert httpx.get(f"{server.url}/health").json()["requests"] == {"completed": 1, "cancelled": 0, "failed": 0,
+                                                                    "refused": 0}
+
+
+def test_framework_refusals_are_openai_errors_and_models_retrieve(runner, start, tmp_path):
+    server = start(_local_setup(runner), history=ChatHistory(tmp_path / "chat.sqlite3"))
+    for method, path, status, code in [("POST", "/v1/completions", 404, "unknown_url"),
+                                       ("GET", "/v1/chat/completions", 405, "method_not_allowed"),
+                                       ("GET", "/splitspec/conversations/abc", 404, "conversation_not_found"),
+                                       ("GET", "/splitspec/conversations/99999999999999999999999", 404,
+                                        "conversation_not_found")]:
+        reply = httpx.request(method, f"{server.url}{path}", json={"model": runner.model_id, "prompt": "hi"})
+        assert reply.status_code == status, (path, reply.text)
+        error = reply.json()["error"]
+        assert error["message"] and error["type"] == "invalid_request_error" and error["code"] == code
+    huge = _request(runner.model_id, max_tokens=2, splitspec={"conversation": 10**30})
+    assert _post(server, huge).json()["error"]["code"] == "conversation_not_found"
+    client = _client(server)
+    assert client.models.retrieve(runner.model_id).id == runner.model_id
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+
+
+def test_an_unexpected_error_is_a_500_openai_error_and_the_daemon_serves_on(runner, start, monkeypatch):
+    server = start(_local_setup(runner))
+    engine = server.app.state.engine
+
+    def broken(completion):
+        raise RuntimeError("a bug")
+
+    body = _request(runner.model_id, max_tokens=2)
+    with httpx.Client(timeout=60) as client:
+        with monkeypatch.context() as patch:
+            patch.setattr(engine, "prepare", broken)
+            reply = client.post(f"{server.url}/v1/chat/completions", json=body)
+        assert reply.status_code == 500
+        assert reply.json()["error"] == {"message": "RuntimeError: a bug", "type": "server_error", "param": None,
+                                         "code": "internal_error"}
+        assert client.post(f"{server.url}/v1/chat/completions", json=body).status_code == 200
+
+
+def test_client_leaving_a_non_streaming_request_cancels_the_answer(runner, start, gated):
+    gated.delay_s = 0.05
+    server = start(_local_setup(runner, gated))
+    with pytest.raises(httpx.ReadTimeout):  # the SDK's timeout: it closes the connection
+        _post(server, _request(runner.model_id, max_tokens=200), timeout=1.0)
+    gated.gate.set()
+    health = _wait_for(server, lambda h: not h["busy"], timeout_s=30)
+    assert health["requests"]["cancelled"] == 1 and health["requests"]["completed"] == 0
+
+
+def test_a_request_cancelled_while_waiting_frees_its_place_at_once(runner, start, gated):
+    server = start(_local_setup(runner, gated), max_queue=1)
+    model, results = runner.model_id, {}
+    first = threading.Thread(target=lambda: results.setdefault(0, _post(server, _request(model, max_tokens=4))))
+    first.start()
+    _wait_for(server, lambda h: h["busy"])
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=60, headers={"Content-Type": "application/json"},
+                      content=json.dumps(_request(model, max_tokens=4, stream=True))) as waiting:
+        lines = waiting.iter_lines()  # kept: a dropped iterator closes the connection
+        assert next(lines).startswith("data: ")  # the role chunk: it waits now
+        assert httpx.get(f"{server.url}/health").json()["waiting"] == 1
+    # the client gave up: its place is free while the first answer still runs
+    _wait_for(server, lambda h: h["waiting"] == 0 and h["requests"]["cancelled"] == 1, timeout_s=10)
+    second = threading.Thread(target=lambda: results.setdefault(1, _post(server, _request(model, max_tokens=4))))
+    second.start()
+    _wait_for(server, lambda h: h["waiting"] == 1)
+    gated.gate.set()
+    first.join(60)
+    second.join(60)
+    assert results[0].status_code == 200 and results[1].status_code == 200, results[1].text
+    assert httpx.get(f"{server.url}/health").json()["requests"] == {"completed": 2, "cancelled": 1, "failed": 0,
+                                                                    "refused": 0}
+
+
+def test_an_answer_cut_short_is_stored_incomplete(runner, start, gated, tmp_path):
+    gated.delay_s = 0.05
+    server = start(_local_setup(runner, gated), history=ChatHistory(tmp_path / "chat.sqlite3"))
+    conversation = httpx.post(f"{server.url}/splitspec/conversations").json()["id"]
+    body = _request(runner.model_id, max_tokens=200, stream=True, splitspec={"conversation": conversation})
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", content=json.dumps(body), timeout=60,
+                      headers={"Content-Type": "application/json"}) as reply:
+        gated.gate.set()
+        for line in reply.iter_lines():
+            if line.startswith("data: {") and json.loads(line[len("data: "):])["choices"][0]["delta"].get("content"):
+                break  # some text arrived
+    _wait_for(server, lambda h: not h["busy"], timeout_s=30)
+    gated.delay_s = 0.0
+    _post(server, {**body, "stream": False, "max_tokens": 4})
+    messages = httpx.get(f"{server.url}/splitspec/conversations/{conversation}").json()["messages"]
+    assert [(m["role"], m["complete"]) for m in messages] == [("user", True), ("assistant", False), ("user", True),
+                                                              ("assistant", True)]
+    assert messages[1]["content"]
+
+
+def test_up_sampling_flags_are_every_requests_defaults(runner, stories_path, monkeypatch, tmp_path):
+    """--top-k and the contextual penalty apply to every request, as in `splitspec chat`; --seed is
+    the seed of a request without one (unset: a random one per request)."""
+    from splitspec.cli.main import build_parser
+    from splitspec.client import build as client_build
+    from splitspec.client.daemon import cli as daemon_cli
+
+    engines = []
+
+    def build(config, local_verifier=None):
+        return ClientSetup(_local_setup(runner).decoder, runner.tokenizer, config.sampling, "single-device")
+
+    class Captured:
+        def __init__(self, app, host, port):
+            engines.append(app.state.engine)
+            self.url = "http://captured"
+
+        def run(self):
+            pass
+
+    monkeypatch.setattr(client_build, "build_client", build)
+    monkeypatch.setattr(daemon_cli, "DaemonServer", Captured)
+    up = ["up", "--local", "--target", str(stories_path), "--history", str(tmp_path / "chat.sqlite3")]
+    daemon_cli.cmd_up(build_parser().parse_args(up + ["--top-k", "3", "--contextual-penalty", "1.2",
+                                                      "--penalty-window", "64", "--seed", "5"]))
+    daemon_cli.cmd_up(build_parser().parse_args(up))
+    flagged, plain = engines
+    request = parse_request(json.dumps(_request(runner.model_id)).encode())
+    seeded = parse_request(json.dumps(_request(runner.model_id, seed=9)).encode())
+    sampling = flagged.sampling(request)
+    assert (sampling.top_k, sampling.penalty, sampling.penalty_window, sampling.seed) == (3, 1.2, 64, 5)
+    assert flagged.sampling(seeded).seed == 9
+    first, second = plain.sampling(request), plain.sampling(request)
+    assert (first.top_k, first.penalty) == (0, 1.0) and first.seed != second.seed
+    assert plain.sampling(seeded).seed == 9
+    for engine in engines:
+        engine.close()

@@ -4,6 +4,7 @@ the verify service (or the target itself with --local), serving the OpenAI-compa
 `daemon` extra)."""
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import os
 import socket
@@ -30,6 +31,8 @@ def add_daemon_parser(sub, local_verifier=None) -> None:
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     p.add_argument("--history", default=None, help="the chat page's SQLite history "
                    "(default ~/.local/share/splitspec/chat.sqlite3, shared with `splitspec chat`)")
+    # --seed (from add_client_args): the seed of requests without one; unset = a random one each
+    p.set_defaults(seed=None)
     p.set_defaults(func=partial(cmd_up, local_verifier=local_verifier))
 
 
@@ -47,22 +50,25 @@ def cmd_up(args, local_verifier=None) -> None:
     api_key = args.api_key or os.environ.get("SPLITSPEC_API_KEY") or None
     if args.max_queue < 0:
         raise ValueError("--max-queue must be >= 0")
-    if not _loopback(args.host) and not api_key:
+    if not loopback_host(args.host) and not api_key:
         raise ValueError(f"--host {args.host} is reachable from other machines: set --api-key")
     from ..history import ChatHistory, default_path
 
-    config = client_config(args)
+    config = client_config(argparse.Namespace(**{**vars(args), "seed": args.seed or 0}))
     # built on the thread that will write every answer: one OpenMP pool (shared/compute.py)
     worker, setup = loaded_on_compute_thread("splitspec-answer", build_client, config, local_verifier)
     history = ChatHistory(args.history or default_path())
     server = DaemonServer(daemon_app(setup, setup.target, api_key=api_key, max_queue=args.max_queue,
                                      max_new_tokens=args.max_new_tokens, private_ngram=args.private_ngram,
                                      max_request_bytes=args.max_request_bytes, system=args.system, history=history,
-                                     worker=worker),
+                                     worker=worker, seed=args.seed, host=args.host),
                           args.host, args.port)
     sampling = setup.sampling
+    extra = (f" top-k {sampling.top_k}" if sampling.top_k else "") + (
+        f" contextual penalty {sampling.penalty:g} over {sampling.penalty_window}" if sampling.penalty != 1 else "") + (
+        f" seed {args.seed}" if args.seed is not None else "")
     print(f"splitspec up: {setup.mode}, drafter {setup.decoder.drafter.name}, default temperature "
-          f"{sampling.temperature:g} top-p {sampling.top_p:g}{', API key required' if api_key else ''}\n"
+          f"{sampling.temperature:g} top-p {sampling.top_p:g}{extra}{', API key required' if api_key else ''}\n"
           f"  chat page        {server.url}/\n"
           f"  OpenAI base URL  {server.url}/v1\n  health           {server.url}/health\n"
           f"  chat history     {history.path}", flush=True)
@@ -74,21 +80,26 @@ def cmd_up(args, local_verifier=None) -> None:
 
 def daemon_app(setup, target: str, *, api_key: str | None = None, max_queue: int = 8, max_new_tokens: int = 256,
                private_ngram: int = 2, max_request_bytes: int = 1 << 20, system: str | None = None, history=None,
-               worker=None):
+               worker=None, seed: int | None = None, host: str = "127.0.0.1"):
     """The FastAPI app over a built client (`setup`: client/build.py ClientSetup). Its sampling
-    gives the requests' default temperature and top-p; `target` (the name given) and the served
-    model id are both accepted as `model`; `system` is the system prompt of requests without one;
-    `history` (client/history.py ChatHistory) backs the chat page's conversations; `worker`: the
-    `compute_thread` that built `setup` (see Engine)."""
+    gives the requests' default temperature and top-p and every request's top-k and contextual
+    penalty (as in `splitspec chat`); `seed` is the seed of requests without one (None: a random
+    one each); `target` (the name given) and the served model id are both accepted as `model`;
+    `system` is the system prompt of requests without one; `history` (client/history.py
+    ChatHistory) backs the chat page's conversations; `worker`: the `compute_thread` that built
+    `setup` (see Engine); `host`: the address the daemon listens on (a loopback one: requests
+    must name a loopback host)."""
     from .app import create_app
     from .engine import Engine, EngineConfig
 
     model_id = setup.decoder.verifier.info.model_id
     names = tuple(dict.fromkeys([model_id, target]))
-    engine = Engine(setup, EngineConfig(names, max_new_tokens, setup.sampling.temperature, setup.sampling.top_p,
-                                        max_queue, private_ngram, system), history, worker=worker)
+    sampling = setup.sampling
+    engine = Engine(setup, EngineConfig(names, max_new_tokens, sampling.temperature, sampling.top_p, max_queue,
+                                        private_ngram, system, top_k=sampling.top_k, penalty=sampling.penalty,
+                                        penalty_window=sampling.penalty_window, seed=seed), history, worker=worker)
     app = create_app(engine, api_key=api_key, max_request_bytes=max_request_bytes, mode=setup.mode,
-                     drafter=setup.decoder.drafter.name)
+                     drafter=setup.decoder.drafter.name, host=host)
     app.state.engine = engine
     return app
 
@@ -149,7 +160,8 @@ class DaemonServer:
             engine.close()
 
 
-def _loopback(host: str) -> bool:
+def loopback_host(host: str) -> bool:
+    """Whether `host` (a name or an address) is this device only."""
     if host == "localhost":
         return True
     try:

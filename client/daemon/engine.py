@@ -4,7 +4,7 @@ is refused (`Busy`, HTTP 429).
 
 A job reports to its `sink` from the worker thread: `Delta`s as the answer grows, then one
 `Finished` or one `Failed`. Cancelling a job (its listener went away) ends the answer at the next
-token; a job cancelled while queued never starts.
+token; a job cancelled while queued never starts and gives its place in the queue up at once.
 """
 from __future__ import annotations
 
@@ -31,10 +31,11 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class EngineConfig:
     """model_ids: the names a request may ask for (the first is listed by /v1/models).
-    max_new_tokens: a request's default max_tokens; temperature / top_p: a request's defaults
-    (temperature 0 = greedy). max_queue: requests that may wait behind the running one.
-    private_ngram: client/privacy.py PrivacyGuard.ngram. system: the system prompt of a request
-    without one."""
+    max_new_tokens: a request's default max_tokens; temperature / top_p / seed: a request's
+    defaults (temperature 0 = greedy; seed None = a random one per request). top_k, penalty,
+    penalty_window: every request's (shared/sampling.py SamplingParams; OpenAI has no such
+    fields). max_queue: requests that may wait behind the running one. private_ngram:
+    client/privacy.py PrivacyGuard.ngram. system: the system prompt of a request without one."""
 
     model_ids: tuple[str, ...]
     max_new_tokens: int = 256
@@ -43,11 +44,16 @@ class EngineConfig:
     max_queue: int = 8
     private_ngram: int = 2
     system: str | None = None
+    top_k: int = 0
+    penalty: float = 1.0
+    penalty_window: int = 1024
+    seed: int | None = None
 
 
 @dataclass(frozen=True)
 class Finished:
-    """The answer is complete. finish_reason: "stop" (EOS or a stop string) or "length"."""
+    """The answer is complete. finish_reason: "stop" (EOS or a stop string) or "length".
+    completion_tokens: the answer's tokens (those past a stop string not counted)."""
 
     text: str
     finish_reason: str
@@ -55,6 +61,7 @@ class Finished:
     prompt_tokens: int
     private_prompt_tokens: int
     retracted: bool
+    completion_tokens: int
 
 
 @dataclass(frozen=True)
@@ -69,16 +76,22 @@ Sink = Callable[[object], None]  # receives Delta, then Finished or Failed, from
 
 @dataclass
 class Job:
-    """One accepted request; `cancel` ends it at the next token (or before it starts)."""
+    """One accepted request; `cancel` ends it at the next token (or before it starts).
+    `on_cancel` runs after each cancel (the engine frees a waiting job's queue place)."""
 
     completion: Completion
     prompt_ids: list[int]
     privacy: PrivacyGuard | None
     sink: Sink
     cancelled: threading.Event = field(default_factory=threading.Event)
+    on_cancel: Callable[[], None] | None = None
+    started: bool = False  # the worker took it; under the engine's lock, as is `left`
+    left: bool = False  # counted out of the engine's pending requests
 
     def cancel(self) -> None:
         self.cancelled.set()
+        if self.on_cancel is not None:
+            self.on_cancel()
 
 
 class Busy(ApiError):
@@ -122,7 +135,7 @@ class Engine:
             messages = [{"role": "system", "content": self.config.system}, *messages]
         try:
             ids, mask = encode_private_chat(self.tokenizer, messages)
-        except ValueError as err:
+        except (ValueError, TypeError) as err:  # TypeError: text the tokenizer refuses
             raise ApiError(400, str(err), param="messages", code="invalid_value") from None
         room = self.info.max_context - len(ids)
         wanted = completion.max_tokens or self.config.max_new_tokens
@@ -134,10 +147,13 @@ class Engine:
         return ids, (guard if guard.active else None), min(wanted, room)
 
     def sampling(self, completion: Completion) -> SamplingParams:
-        temperature = self.config.temperature if completion.temperature is None else completion.temperature
-        top_p = self.config.top_p if completion.top_p is None else completion.top_p
-        seed = secrets.randbits(63) if completion.seed is None else completion.seed
-        return SamplingParams(temperature, top_p, 0, seed)
+        """The request's fields over the daemon's defaults (`splitspec up`'s sampling flags)."""
+        config = self.config
+        temperature = config.temperature if completion.temperature is None else completion.temperature
+        top_p = config.top_p if completion.top_p is None else completion.top_p
+        seed = completion.seed if completion.seed is not None else config.seed
+        return SamplingParams(temperature, top_p, config.top_k, secrets.randbits(63) if seed is None else seed,
+                              config.penalty, config.penalty_window)
 
     def submit(self, completion: Completion, sink: Sink) -> Job:
         """Queue a completion (prepare + sampling first, so a bad one is refused before it waits).
@@ -158,6 +174,7 @@ class Engine:
                 raise Busy(self.pending - 1)
             self.pending += 1
         job = Job(completion, prompt_ids, privacy, sink)
+        job.on_cancel = lambda: self._cancelled(job)
         self._worker.submit(self._run, job, sampling, max_new)
         return job
 
@@ -171,7 +188,24 @@ class Engine:
 
     # --- the worker ---------------------------------------------------------------------------
 
+    def _cancelled(self, job: Job) -> None:
+        """A job cancelled before the worker took it leaves the queue now, not when its turn comes."""
+        with self._lock:
+            if not job.started:
+                self._leave(job, "cancelled")
+
+    def _leave(self, job: Job, outcome: str) -> None:
+        """Count `job` out of the pending requests, once (call under the lock)."""
+        if not job.left:
+            job.left = True
+            self.pending -= 1
+            self.counts[outcome] += 1
+
     def _run(self, job: Job, sampling: SamplingParams, max_new: int) -> None:
+        with self._lock:
+            if job.left:  # cancelled while waiting, and counted then
+                return
+            job.started = True
         outcome = "cancelled"
         try:
             if not job.cancelled.is_set():
@@ -182,11 +216,10 @@ class Engine:
         except Exception as err:  # the loop's LinkDown, a gRPC refusal, a bug: the daemon lives on
             outcome = "failed"
             log.exception("answer failed")
-            job.sink(Failed(_server_error(err)))
+            job.sink(Failed(server_error(err)))
         finally:
             with self._lock:
-                self.pending -= 1
-                self.counts[outcome] += 1
+                self._leave(job, outcome)
 
     def _answer(self, job: Job, sampling: SamplingParams, max_new: int) -> str:
         text = AnswerText(self.tokenizer, job.completion.stop)
@@ -198,21 +231,31 @@ class Engine:
             for delta in text.feed(event):
                 job.sink(delta)
 
+        gen = None
         try:
             gen = self.setup.decoder.generate(job.prompt_ids, max_new, sampling, on_event=on_event,
                                               privacy=job.privacy,
                                               should_stop=lambda: text.stopped or job.cancelled.is_set())
         finally:
-            if message is not None:  # what was written stays, also when the answer was cut short
-                self.history.finish(message, text.text)
+            if message is not None:  # what was written stays, also when the answer was cut short (complete = 0)
+                self.history.finish(message, text.text, complete=gen is not None and not job.cancelled.is_set())
         if job.cancelled.is_set():
             return "cancelled"
         for delta in text.finish():
             job.sink(delta)
         reason = "stop" if text.stopped or gen.stopped_by_eos else "length"
         private = sum(job.privacy.mask) if job.privacy else 0
-        job.sink(Finished(text.text, reason, gen, len(job.prompt_ids), private, text.retracted))
+        tokens = self._tokens_before(text.ids, len(text.text)) if text.stopped else gen.stats.new_tokens
+        job.sink(Finished(text.text, reason, gen, len(job.prompt_ids), private, text.retracted, tokens))
         return "completed"
+
+    def _tokens_before(self, ids: list[int], chars: int) -> int:
+        """The fewest of `ids` whose text holds the answer's `chars` characters: the answer's
+        tokens when a stop string cut it (the step that wrote the stop may have accepted more)."""
+        for k in range(len(ids) + 1):
+            if len(self.tokenizer.decode(ids[:k], skip_special_tokens=True)) >= chars:
+                return k
+        return len(ids)
 
     def _history_writer(self, completion):
         """(event consumer mirroring the answer into the history, its message id), or (None, None)
@@ -226,7 +269,9 @@ class Engine:
         return self.history.answer_writer(message), message
 
 
-def _server_error(err: Exception) -> ApiError:
+def server_error(err: Exception) -> ApiError:
+    """The OpenAI error object of an unexpected error: 503 when the verify service is
+    unreachable, else 500."""
     from splitspec.shared.verifier import LinkDown
 
     if isinstance(err, LinkDown):

@@ -10,7 +10,8 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 from ..privacy import parse_private_tags
 
@@ -36,11 +37,6 @@ class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-class TextPart(_Open):
-    type: Literal["text"]
-    text: str
-
-
 class MessageExtension(_Open):
     """A message's `splitspec` field: the whole message private, or private character spans
     [start, end) of its content (the same as <private> tags around them)."""
@@ -51,8 +47,27 @@ class MessageExtension(_Open):
 
 class Message(_Open):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: str | None = None  # a list of text parts arrives joined
     splitspec: MessageExtension | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, content):
+        """Join a list of {"type": "text", "text": ...} parts; refuse other parts by name (a union
+        type's error would name pydantic's branches, `content.str`, as if they were fields)."""
+        if not isinstance(content, list):
+            if content is None or isinstance(content, str):
+                return content
+            raise PydanticCustomError("content_type", "content must be a string, a list of text parts or null")
+        for i, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise PydanticCustomError("content_part", "part {i} is {kind}: only text content parts "
+                                          "(type 'text') are supported",
+                                          {"i": i, "kind": f"of type {kind!r}" if kind else "not a content part"})
+            if not isinstance(part.get("text"), str):
+                raise PydanticCustomError("content_part", "part {i} has no string `text`", {"i": i})
+        return "".join(part["text"] for part in content)
 
 
 class StreamOptions(_Open):
@@ -67,20 +82,32 @@ class RequestExtension(_Open):
 
 
 class ChatRequest(_Open):
+    """null is the default of every optional field (OpenAI's schema makes them nullable); stream
+    and the token limits are strict (OpenAI refuses "yes", "3" and 3.0)."""
+
     model: str
     messages: list[Message] = Field(min_length=1)
-    stream: bool = False
+    stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    stop: str | list[str] | None = None
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    stop: list[str] | None = None  # a single string arrives as a list of one
     seed: int | None = Field(None, ge=0, lt=2**63)
-    n: int = Field(1, ge=1, le=1)
+    n: int | None = Field(None, ge=1, le=1)
     logprobs: bool | None = None
     tools: list | None = None
     splitspec: RequestExtension | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, stop):
+        if isinstance(stop, str):
+            return [stop]
+        if stop is None or (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+            return stop
+        raise PydanticCustomError("stop_type", "stop must be a string or a list of strings")
 
 
 @dataclass(frozen=True)
@@ -104,13 +131,17 @@ def parse_request(body: bytes) -> Completion:
     """The Completion of a request body.
 
     Raises:
-        ApiError: 400 for a body that is not JSON, a field out of range or of the wrong type,
-            n != 1, logprobs or tools, more than 4 stop strings, bad private spans.
+        ApiError: 400 for a body that is not JSON (or nested too deep to parse), a field out of
+            range or of the wrong type, n != 1, logprobs or tools, stream_options without stream,
+            more than 4 stop strings, bad private spans, text that is not Unicode (a lone
+            surrogate escape).
     """
     try:
         raw = json.loads(body)
     except (ValueError, UnicodeDecodeError) as err:
         raise ApiError(400, f"the body is not valid JSON: {err}") from None
+    except RecursionError:
+        raise ApiError(400, "the body is not valid JSON: nested too deeply") from None
     try:
         req = ChatRequest.model_validate(raw)
     except ValidationError as err:
@@ -122,11 +153,18 @@ def parse_request(body: bytes) -> Completion:
         raise ApiError(400, "logprobs are not supported", param="logprobs", code="unsupported_value")
     if req.tools:
         raise ApiError(400, "tools are not supported", param="tools", code="unsupported_value")
-    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    if req.stream_options is not None and not req.stream:
+        raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options",
+                       code="invalid_value")
+    stop = tuple(req.stop or ())
     if len(stop) > 4 or any(not s for s in stop):
         raise ApiError(400, "stop: at most 4 non-empty strings", param="stop", code="invalid_value")
+    if not all(_unicode(s) for s in stop):
+        raise ApiError(400, "stop: not Unicode text (a lone surrogate)", param="stop", code="invalid_value")
     messages = [_message(i, m) for i, m in enumerate(req.messages)]
-    return Completion(req.model, messages, req.stream, bool(req.stream_options and req.stream_options.include_usage),
+    if not _unicode(json.dumps(raw, ensure_ascii=False)):  # in a field the daemon ignores or only echoes
+        raise ApiError(400, "the body holds a lone surrogate (\\ud800-\\udfff): not Unicode text", code="invalid_value")
+    return Completion(req.model, messages, bool(req.stream), bool(req.stream_options and req.stream_options.include_usage),
                       req.temperature, req.top_p, req.max_completion_tokens or req.max_tokens, stop, req.seed,
                       req.splitspec.conversation if req.splitspec else None)
 
@@ -134,10 +172,10 @@ def parse_request(body: bytes) -> Completion:
 def _message(index: int, message: Message) -> dict[str, str]:
     """role + content with the private spans of the message's extension written as tags."""
     param = f"messages.{index}"
-    content = message.content
-    if isinstance(content, list):
-        content = "".join(part.text for part in content)
-    content = content or ""
+    content = message.content or ""
+    if not _unicode(content):  # the tokenizer would fail on it
+        raise ApiError(400, f"{param}.content: not Unicode text (a lone surrogate)", param=f"{param}.content",
+                       code="invalid_value")
     ext = message.splitspec or MessageExtension()
     spans = [(0, len(content))] if ext.private and content else sorted(ext.private_spans)
     last = 0
@@ -155,3 +193,12 @@ def _message(index: int, message: Message) -> dict[str, str]:
         raise ApiError(400, f"{param}.content: {err}", param=f"{param}.content", code="invalid_value") from None
     role = "system" if message.role == "developer" else message.role
     return {"role": role, "content": content}
+
+
+def _unicode(text: str) -> bool:
+    """Whether `text` is Unicode text: JSON's \\ud800 escapes decode to lone surrogates, which are not."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
