@@ -39,6 +39,11 @@ def bearer_token(metadata: Iterable | None) -> str | None:
     return None
 
 
+def has_authorization(metadata: Iterable | None) -> bool:
+    """True if any `authorization` entry is present, whatever its scheme."""
+    return any(key == "authorization" for key, _ in metadata or ())
+
+
 def token_identity(token: str) -> str:
     """A short, non-reversible name for a token (for rate limiting and logs)."""
     return "token:" + hashlib.sha256(b"splitspec-identity:" + token.encode("ascii", "replace")).hexdigest()[:16]
@@ -114,12 +119,18 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if handler is None or method.startswith(HEALTH_PREFIX):
             return handler
-        presented = bearer_token(handler_call_details.invocation_metadata)
+        metadata = handler_call_details.invocation_metadata
+        presented = bearer_token(metadata)
         if presented is not None and self.tokens.match(presented):
             return handler
-        reason = ("missing 'authorization: Bearer <token>' metadata" if presented is None
-                  else "the bearer token is not accepted")
-        self.refusal_log.note("without a token" if presented is None else "with a wrong token")
+        if presented is not None:
+            reason, logged = "the bearer token is not accepted", "with a wrong token"
+        elif has_authorization(metadata):  # e.g. the bare token: say what is wrong, not "missing"
+            reason, logged = ("the 'authorization' metadata does not use the Bearer scheme; "
+                              "send 'authorization: Bearer <token>'"), "without the Bearer scheme"
+        else:
+            reason, logged = "missing 'authorization: Bearer <token>' metadata", "without a token"
+        self.refusal_log.note(logged)
         if self.on_refusal is not None:
             self.on_refusal(method)
         return _refusing_handler(handler, grpc.StatusCode.UNAUTHENTICATED, reason)

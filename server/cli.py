@@ -14,7 +14,23 @@ from pathlib import Path
 from splitspec.shared.compute import loaded_on_compute_thread
 from splitspec.shared.config import ServerLimits, ServerSecurity, parse_size, read_tokens, tokens_from_env
 from splitspec.shared.drafters.spec import DrafterSpec
-from splitspec.shared.models import DEFAULT_TARGET, load_model
+from splitspec.shared.models import DEFAULT_TARGET, check_device, load_model
+
+
+def port_number(text: str) -> int:
+    """argparse type of a TCP port: an integer in 0..65535 (0: any free port). gRPC would take a
+    larger number modulo 65536 and listen on a port nobody asked for.
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, or outside 0..65535.
+    """
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} must lie in 0..65535")
+    return port
 
 
 def add_server_parsers(sub, behind_link=None) -> None:
@@ -23,7 +39,7 @@ def add_server_parsers(sub, behind_link=None) -> None:
     p = sub.add_parser("serve", help="run the verify service")
     p.add_argument("--target", default=DEFAULT_TARGET, help="alias, Hugging Face id or local path")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--port", type=port_number, default=50051)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--linear", default="auto", choices=["auto", "onednn", "torch"],
@@ -81,7 +97,7 @@ def _add_service_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", default=None, help="PEM server certificate chain (enables TLS)")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", default=None, help="PEM CA that client certificates must chain to (mTLS)")
-    p.add_argument("--metrics-port", type=int, default=None, help="export Prometheus metrics on this port")
+    p.add_argument("--metrics-port", type=port_number, default=None, help="export Prometheus metrics on this port")
     p.add_argument("--metrics-host", default="127.0.0.1")
 
 
@@ -132,12 +148,14 @@ def hosted_lsa_modules(names: list[str], target: str, model, tokenizer, model_id
 
 
 def cmd_serve(args, behind_link=None) -> None:
-    """Raises RuntimeError: --link without a `behind_link` runner; see also the helpers above."""
+    """Raises RuntimeError: --link without a `behind_link` runner; ValueError: --device cuda where
+    torch has no CUDA (`check_device`, before the model loads); see also the helpers above."""
     from .runner import TargetRunner
     from .service import serve
 
     if args.cuda_graphs and args.device != "cuda":
         raise ValueError("--cuda-graphs needs --device cuda (on a CPU the fixed-shape step only costs more)")
+    check_device(args.device)
     limits, security = server_limits(args), server_security(args)  # bad flags fail before the model loads
 
     def build_runner() -> TargetRunner:

@@ -482,13 +482,14 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
             item.done = True
 
     def _check_step(self, item: _Step) -> pb.VerifyReply | None:
-        """The recorded reply of a retried step, None for a step to score; raises for a closed
-        session, a step out of order or one past the context."""
+        """The recorded reply of a retried step (with the retry's own timings, `_replayed`), None
+        for a step to score; raises for a closed session, a step out of order or one past the
+        context."""
         entry, session, step = item.entry, item.entry.session, item.step
         if entry.closed:
             raise ServiceError(grpc.StatusCode.NOT_FOUND, "session closed")
         if step == session.step and entry.last_reply is not None:
-            return entry.last_reply  # a retried step: same answer, no model work
+            return _replayed(entry.last_reply, item.arrived)  # a retried step: same answer, no model work
         if step != session.step + 1:
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, f"step {step} out of order; expected {session.step + 1}")
         check_context(cache_length(session.cache), step_positions(item.tree, item.forced), self.max_context)
@@ -545,6 +546,18 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         if stale:
             log.debug("evicted %d idle sessions", len(stale))
         return len(stale)
+
+
+def _replayed(recorded: pb.VerifyReply, arrived: float) -> pb.VerifyReply:
+    """A copy of a step's recorded reply for a repeat of that step, with the repeat's own timings
+    (no forward: forward_ms 0). The recorded timings belong to the first call: a client that
+    subtracts server time from its round trip (client/transport.py `CallStats`, the adaptive tree
+    planner's link estimate) would otherwise see more server time than round trip."""
+    reply = pb.VerifyReply()
+    reply.CopyFrom(recorded)
+    waited_ms = (time.perf_counter() - arrived) * 1e3
+    reply.timings.CopyFrom(_timings(arrived, waited_ms, 0.0))
+    return reply
 
 
 def _timings(arrived: float, queue_ms: float, forward_ms: float) -> pb.Timings:
@@ -662,8 +675,12 @@ async def serve(runner: TargetRunner, host: str, port: int, limits: ServerLimits
     `worker`: the `compute_thread` that loaded the runner's model (see `VerifyServicer`).
 
     Raises:
+        ValueError: a port outside 0..65535 (gRPC would listen on it modulo 65536).
         RuntimeError / OSError: the service or metrics port cannot be bound.
     """
+    for name, value in (("port", port), ("metrics port", metrics_port)):
+        if value is not None and not 0 <= value <= 65535:
+            raise ValueError(f"{name} {value} must lie in 0..65535")
     metrics = ServiceMetrics()
     server, bound, servicer, health = await create_server(runner, f"{host}:{port}", limits, security, metrics,
                                                           worker=worker)

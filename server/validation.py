@@ -74,9 +74,9 @@ def check_open(request: pb.OpenSessionRequest, *, fingerprint: str, vocab_size: 
     for layer in features.kv_layers:
         if not 0 <= layer < num_layers:
             raise invalid(f"kv layer {layer} outside [0, {num_layers})")
-    if len(set(features.hidden_layers)) != len(features.hidden_layers) or \
-            len(set(features.kv_layers)) != len(features.kv_layers):
-        raise invalid("feature layers must not repeat")
+    hidden = [num_layers if layer == -1 else layer for layer in features.hidden_layers]  # -1 and L: one tensor
+    if len(set(hidden)) != len(hidden) or len(set(features.kv_layers)) != len(features.kv_layers):
+        raise invalid(f"feature layers must not repeat (hidden layer -1 is layer {num_layers}, the last)")
     if features.quantization not in (pb.QUANTIZATION_NONE, pb.QUANTIZATION_INT8, pb.QUANTIZATION_FP8_E4M3):
         raise invalid(f"unknown feature quantization {features.quantization}")
     if features.lsa_id and features.lsa_id not in lsa_ids:

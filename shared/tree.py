@@ -11,6 +11,8 @@ included); the position id of a row is prefix length + depth, the root having de
 """
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -132,30 +134,91 @@ class TreeBuffers:
         return mask.to(device)[None, None]
 
 
-@lru_cache(maxsize=256)
+# The buffers of recent tree shapes, kept while they fit a byte budget. A verify step hangs its
+# forced tokens (up to max_prompt_tokens) above the draft tree as a chain, and such a shape's
+# buffers take ~M^2 bytes: a count-bounded cache of them let one client make the server hold GBs
+# outside every KV budget. A draft tree after a few forced tokens (the every-step case) stays cached.
+TREE_CACHE_BYTES = 16 * 2**20  # all entries together
+TREE_CACHE_ENTRY_BYTES = 256 * 2**10  # larger shapes (long forced chains) are built per call
+_cache: OrderedDict[tuple[int, ...], tuple[TreeBuffers, int]] = OrderedDict()
+_cache_bytes = 0
+_cache_lock = threading.Lock()
+
+
 def tree_buffers(parents: tuple[int, ...]) -> TreeBuffers:
     """Buffers for the tree with these parents (root prepended), built once per shape.
 
     `parents` must pass `validate_tree` (not checked here: a parent at or after its own index gives
-    a wrong mask without an error). Cached per shape: the returned tensors are shared between callers
-    and must never be modified in place."""
+    a wrong mask without an error). Cached per shape (least recently used first out, at most
+    TREE_CACHE_BYTES; a shape over TREE_CACHE_ENTRY_BYTES is built anew each call and not kept):
+    the returned tensors may be shared between callers and must never be modified in place."""
+    global _cache_bytes
+    parents = tuple(parents)
+    with _cache_lock:
+        hit = _cache.get(parents)
+        if hit is not None:
+            _cache.move_to_end(parents)
+            return hit[0]
+    buffers = _build_tree_buffers(parents)
+    size = _entry_bytes(parents, buffers)
+    if size > TREE_CACHE_ENTRY_BYTES:
+        return buffers
+    with _cache_lock:
+        if parents not in _cache:
+            _cache[parents] = (buffers, size)
+            _cache_bytes += size
+        while _cache_bytes > TREE_CACHE_BYTES:
+            _, (_, dropped) = _cache.popitem(last=False)
+            _cache_bytes -= dropped
+    return buffers
+
+
+def tree_cache_info() -> tuple[int, int, int]:
+    """(entries, bytes, longest parents tuple) held by `tree_buffers`' cache."""
+    with _cache_lock:
+        return len(_cache), _cache_bytes, max(map(len, _cache), default=0)
+
+
+def tree_cache_clear() -> None:
+    """Empty `tree_buffers`' cache (tests)."""
+    global _cache_bytes
+    with _cache_lock:
+        _cache.clear()
+        _cache_bytes = 0
+
+
+def _entry_bytes(parents: tuple[int, ...], buffers: TreeBuffers) -> int:
+    """What a cache entry holds, roughly: the key, the mask and depths, and the path tuples (8-byte
+    pointers; small ints are shared)."""
+    paths = sum(56 + 8 * len(p) for p in buffers.paths)
+    return (56 + 8 * len(parents) + buffers.ancestor_mask.numel() * buffers.ancestor_mask.element_size()
+            + buffers.depth.numel() * buffers.depth.element_size() + paths)
+
+
+def _build_tree_buffers(parents: tuple[int, ...]) -> TreeBuffers:
+    """`tree_buffers` without the cache. A leading chain (the forced tokens a step hangs above its
+    tree) is filled as one lower-triangular block, so a long chain costs no per-row Python work."""
     rows = len(parents) + 1
     row_parent = [ROOT] + [p + 1 for p in parents]  # parent row of each row; the root has none
+    chain = 1  # rows [0, chain) form a path from the root: row r's parent is r - 1
+    while chain < rows and row_parent[chain] == chain - 1:
+        chain += 1
     ancestor = torch.zeros(rows, rows, dtype=torch.bool)
-    depth = torch.zeros(rows, dtype=torch.long)
-    for row in range(rows):
-        ancestor[row, row] = True
+    ancestor[:chain, :chain] = torch.ones(chain, chain, dtype=torch.bool).tril()
+    depth = list(range(chain))
+    for row in range(chain, rows):
         par = row_parent[row]
-        if par != ROOT:
-            ancestor[row] |= ancestor[par]
-            depth[row] = depth[par] + 1
+        ancestor[row] = ancestor[par]
+        ancestor[row, row] = True
+        depth.append(depth[par] + 1)
     is_parent = set(row_parent[1:])
     paths = []
     for leaf in range(rows):
         if leaf in is_parent:
             continue
         path = [leaf]
-        while row_parent[path[-1]] != ROOT:
+        while path[-1] >= chain:
             path.append(row_parent[path[-1]])
-        paths.append(tuple(reversed(path)))
-    return TreeBuffers(ancestor, depth, tuple(paths))
+        top = path.pop()  # a chain row: its path is the chain down to it
+        paths.append(tuple(range(top + 1)) + tuple(reversed(path)))
+    return TreeBuffers(ancestor, torch.tensor(depth, dtype=torch.long), tuple(paths))

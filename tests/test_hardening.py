@@ -343,6 +343,13 @@ def test_bearer_token_auth(spied, serve):
         RemoteVerifier(server.address, timeout_s=30)
     assert err.value.code() == C.UNAUTHENTICATED
     assert metrics.refusals.labels(method="Info", code="UNAUTHENTICATED")._value.get() == 3
+    # QA finding 12: a header without the Bearer scheme is there; the message says what is wrong with it
+    channel, stub = _stub(server.address)
+    for value in (TOKEN, f"Basic {TOKEN}"):
+        details = _refused(C.UNAUTHENTICATED, lambda: stub.Info(pb.InfoRequest(), timeout=10,
+                                                                 metadata=[("authorization", value)])).details()
+        assert "Bearer scheme" in details and "missing" not in details
+    channel.close()
 
 
 def test_tls_and_mtls(spied, serve, pki):
@@ -439,7 +446,10 @@ def test_bad_inputs_refused_without_model_work(spied, serve):
 
     first = _verify(stub, sid, 1)
     calls = spy.calls
-    assert _verify(stub, sid, 1) == first and spy.calls == calls  # the replayed last step: same reply, no work
+    again = _verify(stub, sid, 1)  # the replayed last step: same reply (its own timings, no forward), no work
+    assert again.timings.forward_ms == 0 and spy.calls == calls
+    again.timings.CopyFrom(first.timings)
+    assert again == first
     assert _verify(stub, sid, 2).step == 2
     _refused(C.FAILED_PRECONDITION, lambda: _verify(stub, sid, 1), spy)  # an older step cannot be replayed
     stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)

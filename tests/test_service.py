@@ -96,6 +96,11 @@ def test_bad_open_requests(service):
     bad_features = pb.OpenSessionRequest(prompt_ids=[1, 2], tokenizer_fingerprint=fp,
                                          features=pb.FeatureSpec(kv_layers=[99]))
     _expect(C.INVALID_ARGUMENT, lambda: stub.OpenSession(bad_features, timeout=10), counter)
+    layers = stub.Info(pb.InfoRequest(), timeout=10).num_layers
+    for hidden in ([-1, layers], [layers, -1], [2, 2]):  # -1 is layer L: the same tensor twice (QA finding 11)
+        twice = pb.OpenSessionRequest(prompt_ids=[1, 2], tokenizer_fingerprint=fp,
+                                      features=pb.FeatureSpec(hidden_layers=hidden))
+        assert "repeat" in _expect(C.INVALID_ARGUMENT, lambda: stub.OpenSession(twice, timeout=10), counter)
     assert _open(stub, fp).session_id  # still serving
 
 
@@ -115,8 +120,8 @@ def test_bad_verify_requests(service):
     reply = _verify(stub, sid, 1)  # the session is intact after all that
     assert reply.step == 1
     calls = counter.calls
-    again = _verify(stub, sid, 1)  # a retried step: same reply, no model work
-    assert again == reply and counter.calls == calls
+    again = _verify(stub, sid, 1)  # a retried step: same reply (but its own timings), no model work
+    assert _untimed(again) == _untimed(reply) and counter.calls == calls
     _expect(C.FAILED_PRECONDITION, lambda: _verify(stub, sid, 5), counter)
     stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
     _expect(C.NOT_FOUND, lambda: _verify(stub, sid, 2), counter)
@@ -197,8 +202,34 @@ def test_retry_after_client_deadline(service):
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     counter.delay_s = 0.0
     first = _verify(stub, sid, 1)
-    assert _verify(stub, sid, 1) == first
+    assert _untimed(_verify(stub, sid, 1)) == _untimed(first)
     assert _verify(stub, sid, 2).step == 2
+
+
+def test_a_replayed_step_reports_its_own_timings(service):
+    """QA finding 7: the recorded reply of a repeated step carried the first call's timings, so the
+    client saw ~300 ms of server time inside a ~2 ms round trip (and a 0 ms link). The replay keeps
+    the answer and reports its own time: no forward, total within its round trip."""
+    stub, counter, fp, _ = service
+    sid = _open(stub, fp).session_id
+    counter.delay_s = 0.3
+    first = _verify(stub, sid, 1)
+    counter.delay_s = 0.0
+    assert first.timings.forward_ms >= 300
+    tic = time.perf_counter()
+    again = _verify(stub, sid, 1)
+    rtt_ms = (time.perf_counter() - tic) * 1e3
+    assert _untimed(again) == _untimed(first)
+    assert again.timings.forward_ms == 0 and again.timings.total_ms <= rtt_ms
+    assert again.timings.queue_ms <= again.timings.total_ms
+
+
+def _untimed(reply: pb.VerifyReply) -> pb.VerifyReply:
+    """`reply` without its timings (a replay's are its own)."""
+    copy = pb.VerifyReply()
+    copy.CopyFrom(reply)
+    copy.ClearField("timings")
+    return copy
 
 
 def _verify_with_timeout(stub, sid, step, timeout):
