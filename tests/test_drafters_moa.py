@@ -108,6 +108,9 @@ class Recorder:
     def commit(self, new_tokens, features):
         self.inner.commit(new_tokens, features)
 
+    def reseed(self, seed):
+        self.inner.reseed(seed)
+
 
 def test_lsa_placement_gives_same_drafts(stories, tmp_path):
     model, tokenizer, model_id = stories
