@@ -106,3 +106,12 @@ def test_make_drafter_uses_the_targets_counts(stories, stories_path, tmp_path, m
     assert build(64).parts.draft_vocab.tolist() == list(range(model.config.vocab_size - 64, model.config.vocab_size))
     assert build(0).parts.draft_vocab is None
     assert build(-1).parts.draft_vocab.numel() == min(DEFAULT_DRAFT_VOCAB, model.config.vocab_size)
+
+
+def test_a_negative_draft_vocabulary_names_the_flag_and_the_default():
+    """-1 is the default (the shipped size), 0 the full vocabulary; below -1 the error says so."""
+    from splitspec.shared.drafters.spec import DrafterSpec
+
+    assert DrafterSpec.parse("moa", vocab=-1).vocab == -1 and DrafterSpec.parse("moa", vocab=0).vocab == 0
+    with pytest.raises(ValueError, match=r"--draft-vocab.*-1 for the default; got -5"):
+        DrafterSpec.parse("moa", vocab=-5)

@@ -82,7 +82,8 @@ class DrafterSpec:
         if self.lsa not in LSA_PLACEMENTS or self.quant not in QUANTIZATIONS:
             raise ValueError(f"{self.name!r}: lsa must be client|server and quant fp16|int8|fp8")
         if self.vocab < -1:
-            raise ValueError(f"{self.name!r}: vocab must be >= 0")
+            raise ValueError(f"{self.name!r}: the draft vocabulary (--draft-vocab, ;vocab=) must be >= 0 "
+                             f"(0: the full vocabulary), or -1 for the default; got {self.vocab}")
         if self.lookup < -1:
             raise ValueError(f"{self.name!r}: lookup must be >= 0 (0 = off)")
         if self.dtype not in DRAFT_DTYPES:
