@@ -12,25 +12,10 @@ from functools import partial
 from pathlib import Path
 
 from splitspec.shared.compute import loaded_on_compute_thread
-from splitspec.shared.config import ServerLimits, ServerSecurity, parse_size, read_tokens, tokens_from_env
+from splitspec.shared.config import (ServerLimits, ServerSecurity, parse_size, port_number, read_tokens,
+                                     tokens_from_env)
 from splitspec.shared.drafters.spec import DrafterSpec
 from splitspec.shared.models import DEFAULT_TARGET, check_device, load_model
-
-
-def port_number(text: str) -> int:
-    """argparse type of a TCP port: an integer in 0..65535 (0: any free port). gRPC would take a
-    larger number modulo 65536 and listen on a port nobody asked for.
-
-    Raises:
-        argparse.ArgumentTypeError: not an integer, or outside 0..65535.
-    """
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} must lie in 0..65535")
-    return port
 
 
 def add_server_parsers(sub, behind_link=None) -> None:

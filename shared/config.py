@@ -2,6 +2,7 @@
 readers of the secrets some of them hold (bearer tokens, PEM files)."""
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import re
@@ -130,6 +131,22 @@ def tokens_from_env(name: str = TOKEN_ENV) -> tuple[str, ...]:
     """Tokens from an environment variable (newline- or comma-separated); () when it is unset."""
     raw = os.environ.get(name, "")
     return tuple(check_token(t.strip()) for t in re.split(r"[,\n]", raw) if t.strip())
+
+
+def port_number(text: str) -> int:
+    """argparse type of a TCP port: an integer in 0..65535 (0: any free port). gRPC would take a
+    larger number modulo 65536 and listen on a port nobody asked for.
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, or outside 0..65535.
+    """
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} must lie in 0..65535")
+    return port
 
 
 def parse_size(text: str) -> int:
