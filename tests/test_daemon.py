@@ -593,3 +593,12 @@ def test_up_sampling_flags_are_every_requests_defaults(runner, stories_path, mon
     assert plain.sampling(seeded).seed == 9
     for engine in engines:
         engine.close()
+
+
+def test_up_refuses_a_port_outside_the_tcp_range(capsys):
+    """Refused by the parser before the target loads, as serve's --port is (it was taken as given)."""
+    from splitspec.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["up", "--local", "--port", "70000"])
+    assert exit_.value.code == 2 and "70000 must lie in 0..65535" in capsys.readouterr().err

@@ -12,6 +12,7 @@ import threading
 from functools import partial
 
 from splitspec.shared.compute import loaded_on_compute_thread
+from splitspec.shared.config import port_number
 
 DEFAULT_PORT = 8765
 
@@ -23,7 +24,7 @@ def add_daemon_parser(sub, local_verifier=None) -> None:
     p = sub.add_parser("up", help="the client daemon: an OpenAI-compatible API on this device")
     add_client_args(p, chat=True)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this device only)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 = any free port")
+    p.add_argument("--port", type=port_number, default=DEFAULT_PORT, help="0 = any free port")
     p.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $SPLITSPEC_API_KEY, else none)")
     p.add_argument("--max-queue", type=int, default=8,
