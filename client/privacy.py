@@ -156,6 +156,9 @@ def best_path(proposal: Proposal) -> tuple[list[int], list]:
         parent = child
 
 
+NOT_VERBATIM = "this chat template does not copy message contents verbatim; cannot place private spans"
+
+
 def _content_starts(tokenizer, messages: list[dict], rendered: str, which: list[int]) -> dict[int, int]:
     """Where the content of each message in `which` starts in `rendered` (the chat's template
     output), found by rendering it again with unique markers around those contents.
@@ -180,14 +183,14 @@ def _content_starts(tokenizer, messages: list[dict], rendered: str, which: list[
         begin, end = marks[k]
         at = text.find(begin)
         if at < 0 or text.count(begin) != 1 or text.count(end) != 1:
-            raise ValueError("this chat template does not copy message contents verbatim; cannot place private spans")
+            raise ValueError(NOT_VERBATIM)
         starts[k] = at - removed
         removed += len(begin) + len(end)
     for begin, end in marks.values():
         text = text.replace(begin, "").replace(end, "")
     if text != rendered or any(rendered[starts[k]: starts[k] + len(messages[k]["content"])] != messages[k]["content"]
                                for k in which):
-        raise ValueError("this chat template does not copy message contents verbatim; cannot place private spans")
+        raise ValueError(NOT_VERBATIM)
     return starts
 
 

@@ -24,9 +24,10 @@ file as an uninterrupted one.
 
 `cache="static"` generates into transformers' StaticCache, sized once for the longest prompt and
 answer (`max_prompt_len + max_new_tokens`), instead of a cache that grows by concatenation every
-step; on a GPU transformers then compiles the decoding step (`torch.compile`, CUDA graphs), which is
-what makes batched distillation cheap where per-step overhead dominates (a GPU's 7,000 answer
-tokens/s at batch 384 in session 24 were ~55 ms a step for a 135M model). The answers equal the
+step; on a GPU transformers then compiles the decoding step (`torch.compile`, CUDA graphs), meant
+to cut the per-step overhead that bounds batched distillation there (a GPU's 7,000 answer tokens/s at
+batch 384 in session 24 were ~55 ms a step for a 135M model; the static cache's speed is not yet
+measured on a GPU). The answers equal the
 dynamic cache's up to rounding (attention runs over the padded static length), and the header
 records the cache so that a resumed file keeps one.
 """
