@@ -21,7 +21,7 @@ from splitspec.shared.sampling import SamplingParams
 from splitspec.shared.verifier import LinkDown
 
 from .history import ChatHistory, default_path
-from .privacy import PrivacyGuard, encode_private_chat, placeholder_token
+from .privacy import PrivacyGuard, encode_private_chat, placeholder_token, tag_private_answer
 from .reconnect import OfflinePolicy
 from .stream import TextStream
 
@@ -212,15 +212,18 @@ def cmd_generate(args, local_verifier=None) -> None:
 
 def _chat_turn(setup, args, history_db, conversation: int, line: str, prompt_ids, privacy, stream):
     """One chat answer, streamed and stored as it grows; the stored answer stays incomplete when the
-    turn fails (the error propagates)."""
+    turn fails (the error propagates). Returns (the Generation, the answer's text for the history:
+    `<private>` tags around what the client wrote from private spans, so the next turn's prompt,
+    which holds the answer, keeps those words on this device)."""
     history_db.add_message(conversation, "user", line)
     answer = history_db.add_message(conversation, "assistant", "", complete=False)
     writer = history_db.answer_writer(answer)
     print("bot> ", end="", flush=True)
     gen = setup.decoder.generate(prompt_ids, args.max_new_tokens, setup.sampling, privacy=privacy,
                                  on_event=lambda e: (writer(e), stream(e)))
-    history_db.finish(answer, setup.tokenizer.decode(gen.tokens, skip_special_tokens=True))
-    return gen
+    text = tag_private_answer(setup.tokenizer, gen.tokens, gen.sources)
+    history_db.finish(answer, text)
+    return gen, text
 
 
 def cmd_chat(args, local_verifier=None) -> None:
@@ -269,13 +272,12 @@ def cmd_chat(args, local_verifier=None) -> None:
             continue
         stream = TextStream(setup.tokenizer)
         try:
-            gen = _chat_turn(setup, args, history_db, conversation, line, prompt_ids, privacy, stream)
+            gen, text = _chat_turn(setup, args, history_db, conversation, line, prompt_ids, privacy, stream)
         except (ValueError, LinkDown, grpc.RpcError) as err:  # this turn fails; the conversation goes on
             reason = f"the verify service answered {err.code().name}: {err.details()}" \
                 if isinstance(err, grpc.RpcError) else str(err)
             print(f"\n(no answer: {reason}; /reset starts a new conversation)")
             continue
-        text = setup.tokenizer.decode(gen.tokens, skip_special_tokens=True)
         history += [{"role": "user", "content": line}, {"role": "assistant", "content": text}]
         last_stats = gen.stats
         if gen.context_full:

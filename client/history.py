@@ -6,13 +6,17 @@ answer being written: position, token id, who wrote it — target, offline, kept
 events (client/loop.py StreamEvent) are applied as they arrive, each in its own transaction; when
 an answer completes its text is stored in `messages` and its token rows stay for inspection.
 An answer interrupted by a crash is found with `complete = 0`; `recover()` rebuilds its text.
-The file holds private text: it never leaves the device.
+The file holds private text: it never leaves the device. Message texts keep `<private>` tags (the
+user's, and around answer text the client wrote from private spans), so a resumed conversation's
+next prompt marks the same spans private.
 """
 from __future__ import annotations
 
 import sqlite3
 import time
 from pathlib import Path
+
+from .privacy import tag_private_answer
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (
@@ -94,8 +98,10 @@ class ChatHistory:
                             (content, int(complete), message))
 
     def recover(self, message: int, tokenizer) -> str:
-        """The text of an interrupted answer from its committed token rows."""
-        return tokenizer.decode([t for t, _ in self.tokens(message)], skip_special_tokens=True)
+        """The text of an interrupted answer from its committed token rows, with `<private>` tags
+        around what the client wrote from private spans (as `finish` stores a complete answer)."""
+        rows = self.tokens(message)
+        return tag_private_answer(tokenizer, [t for t, _ in rows], [s for _, s in rows])
 
 
 class AnswerWriter:

@@ -156,6 +156,65 @@ def best_path(proposal: Proposal) -> tuple[list[int], list]:
         parent = child
 
 
+def with_private_tags(text: str, spans: Sequence[tuple[int, int]]) -> str:
+    """`text` with `<private>` tags around the character spans [start, end) `spans` (in order,
+    non-overlapping), the form chat histories keep and `encode_private_chat` reads."""
+    for start, end in reversed(list(spans)):
+        text = f"{text[:start]}<private>{text[start:end]}</private>{text[end:]}"
+    return text
+
+
+def private_answer_spans(tokenizer, tokens: Sequence[int], sources: Sequence[str], text: str | None = None
+                         ) -> list[tuple[int, int]]:
+    """The character spans [start, end) of an answer's text that the client wrote from private
+    prompt spans (source "private": client/loop.py writes the drafter's reproduction of private text
+    itself). A later turn sends the answer back as part of its prompt, so these spans must be marked
+    private there too, or the words go to the server in clear.
+
+    `tokens`, `sources`: [N] the answer's ids and who wrote each; `text`: the answer as shown, the
+    decoded tokens (skip_special_tokens) or a prefix of them (a stop string cut it); default the
+    decoded tokens. Spans are clipped to `text`. When prefixes of the tokens do not decode to prefixes
+    of the text (a tokenizer that decodes context-dependently), the whole text is one span: the
+    answer stays on the device rather than risk a misplaced span.
+    """
+    if len(tokens) != len(sources):
+        raise ValueError(f"{len(sources)} sources for {len(tokens)} tokens")
+    full = tokenizer.decode(list(tokens), skip_special_tokens=True)
+    text = full if text is None else text
+    if "private" not in sources or not text:
+        return []
+    if not full.startswith(text):
+        return [(0, len(text))]
+    spans: list[tuple[int, int]] = []
+    i = 0
+    while i < len(tokens):
+        if sources[i] != "private":
+            i += 1
+            continue
+        j = i
+        while j < len(tokens) and sources[j] == "private":
+            j += 1
+        before = tokenizer.decode(list(tokens[:i]), skip_special_tokens=True)
+        through = tokenizer.decode(list(tokens[:j]), skip_special_tokens=True)
+        if not (full.startswith(before) and full.startswith(through)):
+            return [(0, len(text))]
+        start, end = len(before), min(len(through), len(text))
+        if start < end:
+            if spans and spans[-1][1] >= start:
+                spans[-1] = (spans[-1][0], end)
+            else:
+                spans.append((start, end))
+        i = j
+    return spans
+
+
+def tag_private_answer(tokenizer, tokens: Sequence[int], sources: Sequence[str], text: str | None = None) -> str:
+    """The answer's text (`private_answer_spans`' arguments) with `<private>` tags around what the
+    client wrote from private prompt spans: what a chat history keeps for the next turn's prompt."""
+    shown = tokenizer.decode(list(tokens), skip_special_tokens=True) if text is None else text
+    return with_private_tags(shown, private_answer_spans(tokenizer, tokens, sources, shown))
+
+
 NOT_VERBATIM = "this chat template does not copy message contents verbatim; cannot place private spans"
 
 

@@ -136,3 +136,54 @@ def test_private_spans_are_marked_as_never_sent(stories, browser, tmp_path):
         assert not browser.find_elements(By.CSS_SELECTOR, ".notice")  # no error: a daemon without history works too
     finally:
         server.stop()
+
+
+def test_private_text_in_an_answer_is_sent_back_private(stories, serve, stories_path, browser, tmp_path):
+    """The drafter reproduced a private span, so the client wrote it into the answer (marked); the
+    page sends that answer back with its private spans in the next turn, also after the
+    conversation is reopened from the history, so the words never reach the verify service."""
+    from splitspec.server.runner import TargetRunner as Runner
+
+    from .test_privacy import LeakyDrafter, _canary_turn, _sent_text, _spied_verifier
+
+    model, tokenizer, model_id = stories
+    canary, content, secret_ids = _canary_turn(tokenizer)
+    service = serve(Runner(model, tokenizer, model_id))
+    verifier, spy = _spied_verifier(service.address)
+    decoder = SpeculativeDecoder(verifier, LeakyDrafter(secret_ids, other=tokenizer.eos_token_id or 0), FAST)
+    history = ChatHistory(tmp_path / "chat.sqlite3")
+    server = DaemonServer(daemon_app(ClientSetup(decoder, tokenizer, SamplingParams(0.0), "split"), str(stories_path),
+                                     history=history, max_new_tokens=16), port=0).start()
+    wait = WebDriverWait(browser, 60)
+
+    def say(text: str) -> None:
+        done = len(browser.find_elements(By.CSS_SELECTOR, '.msg.assistant[data-done="1"]'))
+        browser.find_element(By.ID, "input").send_keys(text)
+        browser.find_element(By.ID, "send").click()
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, '.msg.assistant[data-done="1"]')) == done + 1)
+
+    try:
+        browser.get(server.url + "/")
+        wait.until(lambda d: d.find_element(By.ID, "model").text)
+        say(content)
+        private = browser.find_elements(By.CSS_SELECTOR, ".msg.assistant .src-private")
+        assert private and canary in "".join(p.text for p in private).replace(" ", "")
+        assert canary not in _sent_text(tokenizer, spy)
+        spy.sent.clear()
+        say("Say it once more.")
+        assert spy.sent and canary not in _sent_text(tokenizer, spy)
+
+        browser.get(server.url + "/")  # the conversation again, from the SQLite history
+        listed = httpx.get(f"{server.url}/splitspec/conversations", timeout=10).json()["data"]
+        chat = next(c["id"] for c in listed if c["messages"] == 4)
+        wait.until(lambda d: d.find_element(By.CSS_SELECTOR, f'#conversations li[data-id="{chat}"]')).click()
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#messages .msg")) == 4)
+        assert browser.find_elements(By.CSS_SELECTOR, ".msg.assistant .src-private")  # shown private, no tags
+        assert "<private>" not in browser.find_element(By.ID, "messages").text
+        spy.sent.clear()
+        say("And again.")
+        assert spy.sent and canary not in _sent_text(tokenizer, spy)
+    finally:
+        server.stop()
+        verifier.close()
+        history.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import signal
 import string
@@ -255,3 +256,133 @@ def test_canary_never_leaves_the_device(stories, serve, drafter_kind):
     assert streams, "the capture saw no TCP payload on the server's port"
     for stream in streams.values():
         assert canary.encode() not in stream and _packed(secret_ids) not in stream
+
+
+def _spied_verifier(address: str) -> tuple[RemoteVerifier, Spy]:
+    """A RemoteVerifier whose outgoing requests a Spy keeps."""
+    from splitspec.v1 import verify_pb2_grpc as pb_grpc
+
+    spy = Spy()
+    verifier = RemoteVerifier(address)
+    verifier.channel = grpc.intercept_channel(verifier.channel, spy)
+    verifier.stub = pb_grpc.VerifyServiceStub(verifier.channel)
+    return verifier, spy
+
+
+def _sent_text(tokenizer, spy: Spy) -> str:
+    """Every token id the spy saw go out (prompts, forced tokens, trees), decoded."""
+    from splitspec.v1 import verify_pb2 as pb
+
+    ids: list[int] = []
+    for method, raw in spy.sent:
+        if method.endswith("OpenSession"):
+            ids += pb.OpenSessionRequest.FromString(raw).prompt_ids
+        elif method.endswith("Verify"):
+            msg = pb.VerifyRequest.FromString(raw)
+            ids += [*msg.forced_tokens, *msg.tree.tokens]
+    return tokenizer.decode(ids)
+
+
+def _canary_turn(tokenizer) -> tuple[str, str, list[int]]:
+    rng = random.Random(11)
+    canary = "".join(rng.choice(string.ascii_lowercase) for _ in range(10))
+    content = f"Please repeat my secret word exactly: <private>{canary}</private>. The secret word is"
+    ids, mask = encode_private_chat(tokenizer, [{"role": "user", "content": content}])
+    return canary, content, [t for t, m in zip(ids, mask) if m]
+
+
+def test_private_spans_of_an_answer_are_found_and_tagged(stories):
+    from splitspec.client.privacy import private_answer_spans, tag_private_answer
+
+    _, tokenizer, _ = stories
+    words = [tokenizer.encode(w, add_special_tokens=False) for w in ("Once upon", " a secret", " time")]
+    tokens = [t for w in words for t in w]
+    sources = ["target"] * len(words[0]) + ["private"] * len(words[1]) + ["target"] * len(words[2])
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    start = len(tokenizer.decode(words[0]))
+    end = len(tokenizer.decode(words[0] + words[1]))
+    assert private_answer_spans(tokenizer, tokens, sources) == [(start, end)]
+    assert tag_private_answer(tokenizer, tokens, sources) == f"{text[:start]}<private>{text[start:end]}</private>{text[end:]}"
+    assert private_answer_spans(tokenizer, tokens, sources, text[: start + 2]) == [(start, start + 2)]  # a stop cut it
+    assert private_answer_spans(tokenizer, tokens, sources, text[:start]) == []
+    assert private_answer_spans(tokenizer, tokens, ["target"] * len(tokens)) == []
+    assert private_answer_spans(tokenizer, tokens, sources, "not the answer") == [(0, 14)]  # unplaceable: all of it
+    with pytest.raises(ValueError):
+        private_answer_spans(tokenizer, tokens, sources[1:])
+
+
+def test_private_text_in_a_chat_answer_stays_private_in_the_next_turn(stories, serve, tmp_path):
+    """The drafter reproduced a private span, so the client wrote it into the answer; the next
+    chat turn sends the answer back as part of its prompt, and the span must stay on the device."""
+    from types import SimpleNamespace
+
+    from splitspec.client.build import ClientSetup
+    from splitspec.client.cli import _chat_turn, _encode
+    from splitspec.client.history import ChatHistory
+    from splitspec.shared.sampling import SamplingParams
+
+    model, tokenizer, model_id = stories
+    canary, content, secret_ids = _canary_turn(tokenizer)
+    server = serve(TargetRunner(model, tokenizer, model_id))
+    verifier, spy = _spied_verifier(server.address)
+    decoder = SpeculativeDecoder(verifier, LeakyDrafter(secret_ids, other=tokenizer.eos_token_id or 0))
+    setup = ClientSetup(decoder, tokenizer, SamplingParams(0.0), "split")
+    args = SimpleNamespace(max_new_tokens=24, private_ngram=2, system=None)
+    history_db = ChatHistory(tmp_path / "chat.sqlite3")
+    conversation = history_db.new_conversation(model_id, "leaky")
+    turn = [{"role": "user", "content": content}]
+    prompt_ids, privacy = _encode(setup, args, turn)
+    gen, text = _chat_turn(setup, args, history_db, conversation, content, prompt_ids, privacy, lambda event: None)
+    assert PRIVATE in gen.sources and canary in tokenizer.decode(gen.tokens)
+    assert canary in text and canary not in re.sub("<private>.*?</private>", "", text, flags=re.DOTALL)
+    assert history_db.messages(conversation)[-1]["content"] == text
+    assert canary not in _sent_text(tokenizer, spy)
+
+    spy.sent.clear()
+    history = turn + [{"role": "assistant", "content": text}, {"role": "user", "content": "Say it once more."}]
+    prompt_ids, privacy = _encode(setup, args, history)
+    decoder.generate(prompt_ids, 8, setup.sampling, privacy=privacy)
+    assert spy.sent and canary not in _sent_text(tokenizer, spy)
+    verifier.close()
+    history_db.close()
+
+
+def test_private_text_in_an_api_answer_stays_private_when_sent_back(stories, serve, stories_path):
+    """The daemon names the answer's private spans in the returned message; a client that appends
+    the message to its history as it came keeps them private in the next request."""
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    from splitspec.client.build import ClientSetup
+    from splitspec.client.daemon.cli import DaemonServer, daemon_app
+    from splitspec.shared.sampling import SamplingParams
+
+    model, tokenizer, model_id = stories
+    canary, content, secret_ids = _canary_turn(tokenizer)
+    server = serve(TargetRunner(model, tokenizer, model_id))
+    verifier, spy = _spied_verifier(server.address)
+    decoder = SpeculativeDecoder(verifier, LeakyDrafter(secret_ids, other=tokenizer.eos_token_id or 0))
+    daemon = DaemonServer(daemon_app(ClientSetup(decoder, tokenizer, SamplingParams(0.0), "split"),
+                                     str(stories_path)), port=0).start()
+
+    def post(messages):
+        reply = httpx.post(f"{daemon.url}/v1/chat/completions", timeout=120, json={
+            "model": model_id, "messages": messages, "temperature": 0, "max_tokens": 24})
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    try:
+        turn = [{"role": "user", "content": content}]
+        first = post(turn)
+        message = first["choices"][0]["message"]
+        assert canary in message["content"]
+        (start, end), = message["splitspec"]["private_spans"]
+        assert canary in message["content"][start:end]
+        assert first["splitspec"]["private_spans"] == [[start, end]]
+        assert canary not in _sent_text(tokenizer, spy)
+        spy.sent.clear()
+        second = post(turn + [message, {"role": "user", "content": "Say it once more."}])
+        assert second["splitspec"]["private_prompt_tokens"] > first["splitspec"]["private_prompt_tokens"]
+        assert spy.sent and canary not in _sent_text(tokenizer, spy)
+    finally:
+        daemon.stop()
+        verifier.close()

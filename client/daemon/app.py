@@ -265,13 +265,23 @@ def _extension(done: Finished) -> dict:
     sources = {s: gen.sources.count(s) for s in ("target", "offline", "kept", "private")}
     stats = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in gen.stats.as_dict().items()}
     return {"stats": stats, "sources": sources, "private_prompt_tokens": done.private_prompt_tokens,
-            "retracted": done.retracted}
+            "retracted": done.retracted, "private_spans": [list(span) for span in done.private_spans]}
+
+
+def _message(done: Finished) -> dict:
+    """The answer as an assistant message. Text the client wrote from private spans is named in the
+    message's own `splitspec.private_spans`, so a client that appends the message to its history
+    as it came sends those spans back private (the next turn's prompt holds the answer)."""
+    message = {"role": "assistant", "content": done.text, "refusal": None}
+    if done.private_spans:
+        message["splitspec"] = {"private_spans": [list(span) for span in done.private_spans]}
+    return message
 
 
 def _response(ids: _Ids, done: Finished) -> dict:
     return {"id": ids.id, "object": "chat.completion", "created": ids.created, "model": ids.model,
             "system_fingerprint": None,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text, "refusal": None},
+            "choices": [{"index": 0, "message": _message(done),
                          "logprobs": None, "finish_reason": done.finish_reason}],
             "usage": _usage(done), "splitspec": _extension(done)}
 

@@ -21,7 +21,7 @@ from splitspec.shared.sampling import SamplingParams
 from ..build import ClientSetup
 from ..history import ChatHistory
 from ..loop import Generation
-from ..privacy import PrivacyGuard, encode_private_chat, placeholder_token
+from ..privacy import PrivacyGuard, encode_private_chat, placeholder_token, private_answer_spans, tag_private_answer
 from .schema import ApiError, Completion
 from .text import AnswerText
 
@@ -53,7 +53,9 @@ class EngineConfig:
 @dataclass(frozen=True)
 class Finished:
     """The answer is complete. finish_reason: "stop" (EOS or a stop string) or "length".
-    completion_tokens: the answer's tokens (those past a stop string not counted)."""
+    completion_tokens: the answer's tokens (those past a stop string not counted). private_spans:
+    character spans of `text` reproduced from private prompt spans on this device; a client sends
+    them back as the assistant message's `splitspec.private_spans` so the next turn keeps them here."""
 
     text: str
     finish_reason: str
@@ -62,6 +64,7 @@ class Finished:
     private_prompt_tokens: int
     retracted: bool
     completion_tokens: int
+    private_spans: tuple[tuple[int, int], ...] = ()  # [start, end) of `text` the client wrote from private spans
 
 
 @dataclass(frozen=True)
@@ -238,7 +241,13 @@ class Engine:
                                               should_stop=lambda: text.stopped or job.cancelled.is_set())
         finally:
             if message is not None:  # what was written stays, also when the answer was cut short (complete = 0)
-                self.history.finish(message, text.text, complete=gen is not None and not job.cancelled.is_set())
+                if gen is not None:
+                    tokens, sources = gen.tokens, gen.sources
+                else:
+                    rows = self.history.tokens(message)
+                    tokens, sources = [t for t, _ in rows], [s for _, s in rows]
+                self.history.finish(message, tag_private_answer(self.tokenizer, tokens, sources, text.text),
+                                    complete=gen is not None and not job.cancelled.is_set())
         if job.cancelled.is_set():
             return "cancelled"
         for delta in text.finish():
@@ -246,7 +255,8 @@ class Engine:
         reason = "stop" if text.stopped or gen.stopped_by_eos else "length"
         private = sum(job.privacy.mask) if job.privacy else 0
         tokens = self._tokens_before(text.ids, len(text.text)) if text.stopped else gen.stats.new_tokens
-        job.sink(Finished(text.text, reason, gen, len(job.prompt_ids), private, text.retracted, tokens))
+        spans = tuple(private_answer_spans(self.tokenizer, gen.tokens, gen.sources, text.text))
+        job.sink(Finished(text.text, reason, gen, len(job.prompt_ids), private, text.retracted, tokens, spans))
         return "completed"
 
     def _tokens_before(self, ids: list[int], chars: int) -> int:

@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
-from ..privacy import parse_private_tags
+from ..privacy import parse_private_tags, with_private_tags
 
 ROLES = ("system", "developer", "user", "assistant")
 
@@ -185,8 +185,7 @@ def _message(index: int, message: Message) -> dict[str, str]:
                                 f"non-overlapping and within the content ({len(content)} characters)",
                            param=f"{param}.splitspec.private_spans", code="invalid_value")
         last = end
-    for start, end in reversed(spans):
-        content = f"{content[:start]}<private>{content[start:end]}</private>{content[end:]}"
+    content = with_private_tags(content, spans)
     try:
         parse_private_tags(content)
     except ValueError as err:
