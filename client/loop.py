@@ -61,6 +61,7 @@ class GenerationStats:
     offline_tokens: int = 0  # written by the drafter alone while the link was down
     private_tokens: int = 0  # reproduced from private spans on this device
     retracted_tokens: int = 0  # offline tokens withdrawn after the target rejected them (heal)
+    unverified_tokens: int = 0  # answer tokens no verify call produced (offline at the end, kept, private)
     disconnects: int = 0
     reopened_sessions: int = 0
     trees: dict[str, int] = field(default_factory=dict)  # tree shapes a network-aware planner chose: "DxBxN" -> calls
@@ -69,7 +70,7 @@ class GenerationStats:
         """The answer's counts, as benchmarks pool them."""
         opened = self.calls[0] if self.calls else CallStats(0.0, 0.0, 0.0)
         return AnswerRecord(self.new_tokens, self.target_calls, self.elapsed_s, self.bytes_sent, self.bytes_received,
-                            opened.bytes_sent, opened.bytes_received, self.server_ms)
+                            opened.bytes_sent, opened.bytes_received, self.server_ms, self.unverified_tokens)
 
     @property
     def tau(self) -> float:
@@ -110,7 +111,8 @@ class GenerationStats:
             "verify_rtt_ms_median": round(statistics.median(rtts), 2),
             "verify_server_ms_median": round(statistics.median(servers), 2),
             "offline_tokens": self.offline_tokens, "private_tokens": self.private_tokens,
-            "retracted_tokens": self.retracted_tokens, "disconnects": self.disconnects,
+            "retracted_tokens": self.retracted_tokens, "unverified_tokens": self.unverified_tokens,
+            "disconnects": self.disconnects,
             "reopened_sessions": self.reopened_sessions,
             **({"trees": dict(self.trees)} if self.trees else {}),
         }
@@ -118,7 +120,8 @@ class GenerationStats:
     def summary(self) -> str:
         d = self.as_dict()
         tau = "-" if d["tau"] is None else f"{d['tau']:.2f}"
-        return (f"[{d['new_tokens']} tokens, {d['target_calls']} target calls, tau {tau}, "
+        unverified = f" ({d['unverified_tokens']} unverified: offline, kept or private)" if d["unverified_tokens"] else ""
+        return (f"[{d['new_tokens']} tokens{unverified}, {d['target_calls']} target calls, tau {tau}, "
                 f"{d['tokens_per_s']:.1f} tok/s, sent {d['bytes_sent']} B, received {d['bytes_received']} B, "
                 f"per call: server {d['verify_server_ms_median']:.1f} ms / round trip {d['verify_rtt_ms_median']:.1f} ms]")
 
@@ -242,6 +245,7 @@ class _Run:
         self.stats.elapsed_s = time.perf_counter() - start
         self.stats.offline_tokens, self.stats.private_tokens = answer.written[OFFLINE], answer.written[PRIVATE]
         self.stats.retracted_tokens = answer.retracted
+        self.stats.unverified_tokens = sum(s in (OFFLINE, KEPT, PRIVATE) for s in answer.new_sources)
         out = answer.new_tokens
         return Generation(out, self.stats, bool(out) and out[-1] in answer.eos, answer.new_sources)
 

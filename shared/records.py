@@ -13,7 +13,9 @@ answers: Spec-Bench (hemingkx/Spec-Bench, evaluation/speed.py) extends one list 
 answer's per-step accept lengths and reports its mean ("#Mean accepted tokens"), which is the
 ratio of sums sum(tokens from verify calls) / sum(verify calls). Long answers weigh more
 than short ones; a mean of per-answer ratios would weigh every answer alike and differ. The open
-call (prefill) yields the first token without verifying anything, so it counts on neither side.
+call (prefill) yields the first token without verifying anything, so it counts on neither side;
+nor do tokens no verify call produced (written by the drafter alone while the link was down and
+never verified, kept against the target's choice, or written from private text on the device).
 """
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ class AnswerRecord:
     plus every verify call (plain generate(): one per token). elapsed_s: client wall time, s.
     bytes_*: serialized protobuf bytes over all calls, each way (0 single-device); open_bytes_*:
     the open call's alone. server_ms: the server-reported time summed over calls, ms (None when
-    not reported).
+    not reported). unverified_tokens: tokens of the answer no verify call produced (offline and
+    never verified, kept, private; client/answer.py `Provenance`); 0 for an answer made online.
     """
 
     new_tokens: int
@@ -43,6 +46,7 @@ class AnswerRecord:
     open_bytes_sent: int = 0
     open_bytes_received: int = 0
     server_ms: float | None = None
+    unverified_tokens: int = 0
 
     @property
     def tau(self) -> float:
@@ -50,19 +54,20 @@ class AnswerRecord:
 
     @property
     def verify_tokens(self) -> int:
-        """Tokens the verify calls produced: all but the open call's first."""
-        return self.new_tokens - 1
+        """Tokens the verify calls produced: all but the open call's first and the unverified ones."""
+        return self.new_tokens - 1 - self.unverified_tokens
 
 
 def accept_length(records: Iterable[AnswerRecord]) -> float:
-    """tau pooled over `records` (see the module docstring): sum(new_tokens - 1) / sum(target_calls - 1).
+    """tau pooled over `records` (see the module docstring):
+    sum(new_tokens - 1 - unverified_tokens) / sum(target_calls - 1).
 
     Returns:
         Tokens per verify call; NaN when no verify call was made.
     """
     tokens = calls = 0
     for r in records:
-        tokens += r.new_tokens - 1
+        tokens += r.verify_tokens
         calls += r.target_calls - 1
     return tokens / calls if calls > 0 else math.nan
 

@@ -67,6 +67,11 @@ def test_keep_leaves_offline_text_and_continues_from_it(setup):
     assert tail and set(gen.sources[last_kept + 1:]) == {TARGET}
     # after the kept text the target continues from it, exactly as greedy decoding would
     assert tail == reference_greedy(model, prompt + gen.tokens[:last_kept + 1], len(tail))
+    # tau counts what verify calls produced: the kept tokens were written by the drafter alone
+    kept = gen.sources.count(KEPT)
+    assert gen.stats.unverified_tokens == kept and gen.stats.as_dict()["unverified_tokens"] == kept
+    assert gen.stats.tau == (len(gen.tokens) - 1 - kept) / (gen.stats.target_calls - 1)
+    assert f"({kept} unverified" in gen.stats.summary()
 
 
 def test_disabled_offline_raises(setup):

@@ -103,3 +103,12 @@ def test_calls_per_token_pools_calls_over_tokens():
     assert calls_per_token(records) == pytest.approx(0.3)
     assert math.isnan(calls_per_token([]))
     assert bootstrap_interval(records[:1] * 2, calls_per_token) == (pytest.approx(0.5), pytest.approx(0.5))
+
+
+def test_unverified_tokens_count_on_neither_side():
+    """Tokens no verify call produced (offline, kept, private) leave tau as the verify calls made it."""
+    online = AnswerRecord(new_tokens=11, target_calls=5, elapsed_s=1.0)
+    with_offline = AnswerRecord(new_tokens=17, target_calls=5, elapsed_s=1.0, unverified_tokens=6)
+    assert online.tau == with_offline.tau == 2.5
+    assert with_offline.verify_tokens == 10
+    assert accept_length([online, with_offline]) == 2.5
