@@ -35,11 +35,14 @@ class Segment:
     private: bool = False
 
 
-def parse_private_tags(text: str) -> list[Segment]:
+def parse_private_tags(text: str, strict: bool = True) -> list[Segment]:
     """Split chat text on `<private>...</private>` tags.
 
+    `strict` False (an assistant message: the model may write a tag as text) keeps an unmatched tag
+    as text; a private segment holding a nested tag stays private, tag text included.
+
     Raises:
-        ValueError: an unmatched or nested tag.
+        ValueError: an unmatched or nested tag, when `strict`.
     """
     segments, last = [], 0
     for match in PRIVATE_TAG.finditer(text):
@@ -47,7 +50,7 @@ def parse_private_tags(text: str) -> list[Segment]:
         segments.append(Segment(match.group(1), private=True))
         last = match.end()
     segments.append(Segment(text[last:]))
-    if any("<private>" in s.text or "</private>" in s.text for s in segments):
+    if strict and any("<private>" in s.text or "</private>" in s.text for s in segments):
         raise ValueError("unmatched or nested <private> tag")
     return [s for s in segments if s.text]
 
@@ -270,13 +273,15 @@ def encode_private_chat(tokenizer, messages: list[dict]) -> tuple[list[int], lis
     search would then mark those and send the private words in clear.
 
     Raises:
-        ValueError: unmatched tags, a chat template that does not copy message contents verbatim
+        ValueError: unmatched tags (outside assistant messages), a chat template that does not copy message contents verbatim
             (where private spans cannot be placed), or a tokenizer without offset mapping while tags
             are present.
     """
     spans_by_message, clean = [], []
     for message in messages:
-        segments = parse_private_tags(message["content"])
+        # an answer's tags are the client's own (tag_private_answer) around text the model may have
+        # written with a literal tag in it: such a tag is text, not a refusal of the next turn
+        segments = parse_private_tags(message["content"], strict=message["role"] != "assistant")
         spans, text = [], ""
         for segment in segments:
             if segment.private:

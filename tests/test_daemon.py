@@ -178,6 +178,11 @@ def test_private_spans_by_field_and_by_tag_alike(runner, start):
     whole = _post(server, {**field, "messages": [{"role": "user", "content": content,
                                                  "splitspec": {"private": True}}]}).json()
     assert whole["splitspec"]["private_prompt_tokens"] > by_field["splitspec"]["private_prompt_tokens"]
+    # an answer sent back may hold a tag the model wrote as text: the conversation goes on
+    later = {**field, "messages": [{"role": "user", "content": "How?"},
+                                   {"role": "assistant", "content": "Type </private> after it."},
+                                   {"role": "user", "content": "ok"}]}
+    assert _post(server, later).status_code == 200
 
 
 @pytest.mark.parametrize("body, status, param, code", [

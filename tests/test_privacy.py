@@ -97,6 +97,23 @@ def test_private_span_is_masked_where_its_message_is(name, stories, request):
     assert _masked(tokenizer, two).split() == ["alpha", "beta"]
 
 
+def test_an_answer_may_hold_a_tag_as_text(stories):
+    """The model may write "<private>" in an answer; the next turn sends the answer back, and a
+    user's unmatched tag is refused while the answer's is text (the client's own tags still count)."""
+    tokenizer = stories[1]
+    answer = "Write <private> before the secret, then <private>4711</private>."
+    chat = [{"role": "user", "content": "How do I mark text?"}, {"role": "assistant", "content": answer},
+            {"role": "user", "content": "thanks"}]
+    assert parse_private_tags(answer, strict=False)[0] == Segment("Write ")
+    ids, mask = encode_private_chat(tokenizer, chat)
+    assert "4711" in tokenizer.decode([t for t, m in zip(ids, mask) if m])
+    assert "4711" not in tokenizer.decode([t for t, m in zip(ids, mask) if not m])
+    lone = [chat[0], {"role": "assistant", "content": "use a </private> tag"}, chat[2]]
+    assert not any(encode_private_chat(tokenizer, lone)[1])
+    with pytest.raises(ValueError, match="unmatched"):
+        encode_private_chat(tokenizer, [{"role": "user", "content": "use a </private> tag"}])
+
+
 def test_private_spans_need_a_template_that_copies_contents(stories):
     """A chat template that changes a message's text cannot have private spans placed in it."""
     _, tokenizer, _ = stories

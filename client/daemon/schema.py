@@ -186,8 +186,8 @@ def _message(index: int, message: Message) -> dict[str, str]:
                            param=f"{param}.splitspec.private_spans", code="invalid_value")
         last = end
     content = with_private_tags(content, spans)
-    try:
-        parse_private_tags(content)
+    try:  # an assistant message may hold a tag the model wrote as text (encode_private_chat)
+        parse_private_tags(content, strict=message.role != "assistant")
     except ValueError as err:
         raise ApiError(400, f"{param}.content: {err}", param=f"{param}.content", code="invalid_value") from None
     role = "system" if message.role == "developer" else message.role
