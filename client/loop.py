@@ -166,13 +166,16 @@ class SpeculativeDecoder:
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                  *, stop_on_eos: bool = True, on_tokens: TokenCallback | None = None,
                  on_event: EventCallback | None = None, privacy: PrivacyGuard | None = None,
-                 should_stop: Callable[[], bool] | None = None) -> Generation:
+                 should_stop: Callable[[], bool] | None = None,
+                 cancelled: Callable[[], bool] | None = None) -> Generation:
         """Generate up to `max_new_tokens` tokens after `prompt_ids`.
 
         `privacy` marks private prompt tokens (client/privacy.py); the server then sees placeholders.
         `should_stop`: polled as the answer grows; True ends it early, as EOS would (a stop string
         seen, a listener gone; offline text is still verified first, and a retraction may make it
-        false again).
+        false again). `cancelled`: polled before every step and while waiting for the link; True
+        (the listener went away) ends the answer at once, as it stands: no verification of offline
+        text, no wait for the link, and no CloseSession over a link that is down.
         The answer stops where the target's context (`ServerInfo.max_context`) is full, with
         `context_full` set, and no step sends more positions than the context has room for.
         Returns:
@@ -194,7 +197,7 @@ class SpeculativeDecoder:
                              f"{self.verifier.info.max_context} tokens")
         self.drafter.reseed(sampling.seed)  # the answer's drafts depend on its seed alone
         run = _Run(self, list(prompt_ids), min(max_new_tokens, room), sampling, stop_on_eos, on_tokens, on_event,
-                   privacy, should_stop)
+                   privacy, should_stop, cancelled)
         generation = run.go()
         generation.context_full = (max_new_tokens > room and len(generation.tokens) >= room
                                    and not generation.stopped_by_eos)
@@ -206,13 +209,15 @@ class _Run:
     Positions index the full context (prompt + answer)."""
 
     def __init__(self, dec: SpeculativeDecoder, prompt: list[int], budget: int, sampling: SamplingParams,
-                 stop_on_eos: bool, on_tokens, on_event, privacy: PrivacyGuard | None, should_stop=None) -> None:
+                 stop_on_eos: bool, on_tokens, on_event, privacy: PrivacyGuard | None, should_stop=None,
+                 cancelled: Callable[[], bool] | None = None) -> None:
         self.verifier, self.drafter, self.policy, self.sampling = dec.verifier, dec.drafter, dec.offline, sampling
         self.planner = dec.planner
         self.on_tokens, self.on_event = on_tokens, on_event
         self.privacy = privacy if privacy is not None and privacy.active else None
         eos = set(self.verifier.info.eos_token_ids) if stop_on_eos else set()
         self.answer = Answer(prompt, budget, eos, self.privacy, self._emit, should_stop)
+        self.cancelled = cancelled or (lambda: False)
         self.stats = GenerationStats()
         self.session = None
         self.server = ServerView(0, -1)
@@ -238,8 +243,8 @@ class _Run:
                 pass
         finally:
             self.link.stop()
-            if self.session is not None:
-                self.session.close()
+            if self.session is not None and self.online:  # over a dead link the call would only wait out
+                self.session.close()                      # its deadline; the server drops idle sessions itself
         answer = self.answer
         self.stats.new_tokens = answer.answer_len
         self.stats.elapsed_s = time.perf_counter() - start
@@ -252,6 +257,8 @@ class _Run:
     def _turn(self) -> bool:
         """One step online, one reconnection, or one offline chunk; False when the answer is done."""
         answer = self.answer
+        if self.cancelled():
+            return False
         if self.online:
             if answer.finished() and OFFLINE not in answer.sources[self.server.cached:]:
                 return False
@@ -259,8 +266,9 @@ class _Run:
         elif self.link.up:
             self._guard(self._reconnect)
         elif answer.finished():
-            if not self.link.wait(self.policy.final_wait_s):
-                log.warning("link still down: the answer ends with unverified tokens")
+            if not self.link.wait(self.policy.final_wait_s, abandon=self.cancelled):
+                if not self.cancelled():
+                    log.warning("link still down: the answer ends with unverified tokens")
                 return False
         else:
             self._offline_chunk()
@@ -444,7 +452,9 @@ class _Run:
         proposal = self.drafter.propose(answer.context, self._limits(answer.budget - answer.answer_len), self.sampling)
         path, rows = best_path(proposal)
         if not path:  # a drafter that cannot write alone (none, or ngram without a match): wait, bounded
-            if not self.link.wait(self.policy.final_wait_s):
+            if not self.link.wait(self.policy.final_wait_s, abandon=self.cancelled):
+                if self.cancelled():
+                    return
                 raise LinkDown(f"the verify service is unreachable and the {self.drafter.name} drafter cannot "
                                f"write alone; gave up after {self.policy.final_wait_s:g} s")
         for token, row in zip(path, rows):

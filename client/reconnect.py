@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -45,9 +46,18 @@ class ReconnectProbe:
     def up(self) -> bool:
         return self._up.is_set()
 
-    def wait(self, timeout_s: float) -> bool:
-        """Block until the link is up or `timeout_s` passed; True when it is up."""
-        return self._up.wait(timeout_s)
+    def wait(self, timeout_s: float, abandon: Callable[[], bool] | None = None) -> bool:
+        """Block until the link is up or `timeout_s` passed, or (polled every 0.1 s) `abandon()` is
+        true; True when it is up."""
+        if abandon is None:
+            return self._up.wait(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while not abandon():
+            if self._up.wait(max(0.0, min(0.1, deadline - time.monotonic()))):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+        return self._up.is_set()
 
     def start(self) -> None:
         self._up.clear()

@@ -131,3 +131,36 @@ def test_link_that_never_returns_with_a_drafter_that_cannot_write_alone(setup):
     policy = OfflinePolicy(backoff_initial_s=0.01, backoff_max_s=0.05, final_wait_s=0.5)
     with pytest.raises(LinkDown, match="cannot write alone"):
         SpeculativeDecoder(verifier, NoDrafter(), policy).generate(prompt, N_NEW, stop_on_eos=False)
+
+
+@pytest.mark.parametrize("stopped", [False, True], ids=["while writing offline", "while waiting for the link"])
+def test_a_cancelled_answer_ends_at_once_while_the_link_is_down(setup, stopped):
+    """A listener that went away (`cancelled`) ends the answer as it stands: no wait for a link that
+    stays down (final_wait_s is long here) and no CloseSession over it. `stopped`: the answer was
+    already complete (the caller's stop string) and the loop waits for the link when the cancel comes."""
+    import time
+
+    model, runner, prompt, ref, draft = setup
+    log, closed, asked = EventLog(), [], []
+    offline = lambda: log.sources.count(OFFLINE) >= 3  # noqa: E731
+    delay = 0.3 if stopped else 0.0
+
+    def cancelled() -> bool:
+        if not asked and offline():
+            asked.append(time.perf_counter() + delay)
+        return bool(asked) and time.perf_counter() >= asked[0]
+
+    verifier = FlakyVerifier(runner, {3: "before"}, gate=lambda: False)
+    opened = verifier.open
+
+    def open_spied(*args):
+        session, reply = opened(*args)
+        session.close = lambda: closed.append(True)
+        return session, reply
+
+    verifier.open = open_spied
+    policy = OfflinePolicy(backoff_initial_s=0.01, backoff_max_s=0.05, final_wait_s=60.0)
+    gen = SpeculativeDecoder(verifier, _drafter(draft), policy).generate(
+        prompt, N_NEW, stop_on_eos=False, on_event=log, should_stop=offline if stopped else None, cancelled=cancelled)
+    assert time.perf_counter() - asked[0] < 5.0  # not final_wait_s (60 s), nor a 5 s close
+    assert OFFLINE in gen.sources and len(gen.tokens) < N_NEW and not closed

@@ -238,7 +238,7 @@ class Engine:
         try:
             gen = self.setup.decoder.generate(job.prompt_ids, max_new, sampling, on_event=on_event,
                                               privacy=job.privacy,
-                                              should_stop=lambda: text.stopped or job.cancelled.is_set())
+                                              should_stop=lambda: text.stopped, cancelled=job.cancelled.is_set)
         finally:
             if message is not None:  # what was written stays, also when the answer was cut short (complete = 0)
                 if gen is not None:
