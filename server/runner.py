@@ -119,7 +119,7 @@ class TargetRunner:
         out = self.model(input_ids=ids, cache=cache, use_cache=True,
                          output_hidden_states=bool(features.hidden_layers), logits_to_keep=1)
         forward_ms = self._elapsed_ms(start)
-        generator = make_generator(sampling.seed, Stream.TARGET)
+        generator = make_generator(sampling.seed, Stream.TARGET, position=len(prompt_ids))  # a re-open: fresh draws
         last = out.logits[0, -1]  # [V]
         history = list(prompt_ids[-sampling.penalty_window:]) if sampling.penalized else []
         if sampling.penalized:

@@ -166,16 +166,22 @@ class Stream(enum.IntEnum):
     DRAFTER = 1  # the drafter: sampled draft trees, and so the text it writes alone while offline
 
 
-def stream_seed(seed: int, stream: Stream) -> int:
+def stream_seed(seed: int, stream: Stream, position: int | None = None) -> int:
     """A 63-bit seed for `stream`, derived from the user's `seed` by numpy's SeedSequence with the
-    stream as spawn key (what `SeedSequence(seed).spawn()` gives its children), so that the streams
-    are independent and each is reproducible from `seed` alone."""
-    state = np.random.SeedSequence(seed, spawn_key=(int(stream),)).generate_state(1, np.uint64)
+    stream (and `position`, when given) as spawn key (what `SeedSequence(seed).spawn()` gives its
+    children), so that the streams are independent and each is reproducible from `seed` alone.
+
+    `position`: where the stream starts drawing in the answer's context (a target session: the
+    length of the prompt it opens with). A session the client re-opens mid-answer (server restart,
+    idle expiry) starts further on and so draws fresh uniforms; with the seed alone it would replay
+    those that drew the answer's first tokens, correlating the two parts of the answer."""
+    key = (int(stream),) if position is None else (int(stream), int(position))
+    state = np.random.SeedSequence(seed, spawn_key=key).generate_state(1, np.uint64)
     return int(state[0]) >> 1
 
 
-def make_generator(seed: int, stream: Stream) -> torch.Generator:
+def make_generator(seed: int, stream: Stream, position: int | None = None) -> torch.Generator:
     """The torch generator of `stream` for the user's `seed` (see `stream_seed`)."""
     gen = torch.Generator()
-    gen.manual_seed(stream_seed(seed, stream))
+    gen.manual_seed(stream_seed(seed, stream, position))
     return gen
