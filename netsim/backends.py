@@ -169,7 +169,8 @@ class Link(abc.ABC):
     def cut(self) -> None:
         """Black-hole both directions until `restore()`. tun and netem drop every packet (TCP
         retransmits on its backoff timer, so traffic resumes up to one RTO after the restore); the
-        relay holds the bytes and delivers them at the restore."""
+        relay holds the bytes and closes, and leaves new connections unanswered, until the restore.
+        An offline profile (loss 100%) does the same for as long as it is the link's profile."""
         self._set_cut(True)
         self.is_cut = True
 

@@ -13,15 +13,18 @@ for relay it is a private loopback port, and the relay listens on 127.0.0.1:--po
 address printed (and given as `{server}` / SPLITSPEC_SERVER), from the client side: for tun and netem
 inside the client namespace (`ip netns exec ss-cli-... CMD`, printed), for relay from this host.
 With --client CMD the client command is run there once the server listens, and `run` exits with
-its status; without it, `run` lasts until the server exits or Ctrl-C. SPLITSPEC_NETSIM holds
-`link.describe()` as JSON for both commands, so their result files can record backend, profile
-and seed; --record FILE writes it with the commands, exit status and applied cuts.
+its status; without it, `run` lasts until the server exits or Ctrl-C (a command killed by signal N
+gives 128 + N, as a shell does). SPLITSPEC_NETSIM holds `link.describe()` as JSON for both commands,
+so their result files can record backend, profile and seed; --record FILE writes it with the
+commands (as run, `{host}`, `{port}` and `{server}` replaced; as given in `*_template`), exit status
+and applied cuts.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import math
 import os
 import shlex
 import signal
@@ -29,11 +32,15 @@ import socket
 import sys
 from pathlib import Path
 
+from splitspec.shared.config import port_number
+
 from .backends import BACKENDS, RelayBackend, choose_backend, make_link, probe_backends, wait_for_port
 from .profiles import LinkProfile, load_profile
 from .schedule import CutSchedule, ScheduledCuts
+from .validate import MIN_BULK_BYTES, format_table, validate
 
 BACKEND_CHOICES = ("auto", *BACKENDS)
+MIN_BULK_MB = MIN_BULK_BYTES / 1e6
 
 
 def add_netsim_parser(sub) -> None:
@@ -48,7 +55,7 @@ def add_netsim_parser(sub) -> None:
 
     q = netsim.add_parser("run", help="run a server command behind an emulated link")
     _add_link_args(q)
-    q.add_argument("--port", type=int, default=50051, help="the port clients connect to")
+    q.add_argument("--port", type=port_number, default=50051, help="the port clients connect to")
     q.add_argument("--cut", default=None, metavar="AT:DURATION,...",
                    help="cut the link on a schedule from when the server listens, e.g. 50s:10s,2m:5s")
     q.add_argument("--client", default=None, metavar="CMD",
@@ -64,16 +71,46 @@ def add_netsim_parser(sub) -> None:
     q.add_argument("--profile", default="4g", help="comma-separated presets or .toml files")
     q.add_argument("--backends", default="relay,tun", help="comma-separated backends to compare")
     q.add_argument("--seed", type=int, default=None, help="override the profiles' seed")
-    q.add_argument("--samples", type=int, default=500, help="echo round trips per backend (>= 500 for p99)")
-    q.add_argument("--bulk-mb", type=float, default=None,
-                   help="MB per bulk transfer (default: 2 s at the profile's rate); 0 skips it")
+    q.add_argument("--samples", type=_count(1), default=500, help="echo round trips per backend (>= 500 for p99)")
+    q.add_argument("--bulk-mb", type=_bulk_mb, default=None,
+                   help=f"MB per bulk transfer (default: 2 s at the profile's rate; at least {MIN_BULK_MB}); "
+                        "0 skips it")
     q.add_argument("--up", action="store_true", help="also measure client-to-server throughput")
-    q.add_argument("--grpc", type=int, default=200, metavar="N", help="gRPC round trips per backend; 0 skips")
+    q.add_argument("--grpc", type=_count(0), default=200, metavar="N", help="gRPC round trips per backend; 0 skips")
     q.add_argument("--json", default=None, metavar="FILE", help="also write every row as JSON lines")
     q.set_defaults(func=cmd_validate)
 
     q = netsim.add_parser("cleanup", help="remove namespaces left by splitspec processes that died")
     q.set_defaults(func=cmd_cleanup)
+
+
+def _count(least: int):
+    """argparse type of an integer >= `least` (raises argparse.ArgumentTypeError otherwise)."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if n < least:
+            raise argparse.ArgumentTypeError(f"{n} must be >= {least}")
+        return n
+
+    return parse
+
+
+def _bulk_mb(text: str) -> float:
+    """argparse type of --bulk-mb: 0 (skip the transfers) or at least MIN_BULK_MB.
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, or neither 0 nor a transfer `bulk_throughput` takes.
+    """
+    try:
+        mb = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if mb != 0 and not (math.isfinite(mb) and mb >= MIN_BULK_MB):
+        raise argparse.ArgumentTypeError(f"{text} must be 0 (skip) or at least {MIN_BULK_MB} MB")
+    return mb
 
 
 def _add_link_args(p: argparse.ArgumentParser) -> None:
@@ -115,6 +152,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _exit_status(returncode: int) -> int:
+    """A child's exit status as a shell reports it: 128 + N for a child killed by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
 def _raise_on_sigterm() -> None:
     """SIGTERM unwinds this process (so the link is removed); a forked child just exits."""
     owner = os.getpid()
@@ -136,7 +178,8 @@ def cmd_run(args) -> int:
     profile = _profile(args.profile, args.seed)
     backend = choose_backend(args.backend)
     link = make_link(profile, backend)
-    record = {"link": link.describe(), "server": server_argv, "client": client_argv, "cuts": str(schedule)}
+    record = {"link": link.describe(), "server": server_argv, "client": client_argv, "cuts": str(schedule),
+              "server_template": server_argv, "client_template": client_argv}
     _raise_on_sigterm()
     with link:
         record["link"] = link.describe()
@@ -145,7 +188,8 @@ def cmd_run(args) -> int:
         values = {"host": link.server_host, "port": str(port), "server": address}
         env = {**os.environ, "SPLITSPEC_LISTEN_HOST": link.server_host, "SPLITSPEC_LISTEN_PORT": str(port),
                "SPLITSPEC_SERVER": address, "SPLITSPEC_NETSIM": json.dumps(record["link"])}
-        server = link.popen(_substitute(server_argv, values), "server", env=env)
+        record["server"] = _substitute(server_argv, values)
+        server = link.popen(record["server"], "server", env=env)
         wait_for_port(link, port, args.wait, proc=server)
         print(f"netsim: {profile.name} over the {backend} backend (seed {profile.seed}): the server listens on "
               f"{link.server_host}:{port}; clients connect to {address}", file=sys.stderr, flush=True)
@@ -155,10 +199,11 @@ def cmd_run(args) -> int:
         cuts = ScheduledCuts(link, schedule).start()
         try:
             if client_argv:
-                client = link.popen(_substitute(client_argv, values), "client", env=env)
-                record["exit"] = client.wait()
+                record["client"] = _substitute(client_argv, values)
+                client = link.popen(record["client"], "client", env=env)
+                record["exit"] = _exit_status(client.wait())
             else:
-                record["exit"] = server.wait()
+                record["exit"] = _exit_status(server.wait())
         finally:
             cuts.stop()
             record["applied_cuts"] = cuts.log
@@ -176,15 +221,16 @@ def _safe_stats(link) -> dict:
 
 
 def cmd_validate(args) -> int:
-    from .validate import format_table, validate
-
+    """The numbers are checked by argparse, the backends and profiles here, before any link is
+    built. SIGTERM, like Ctrl-C, stops the probes and removes the links."""
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     for backend in backends:
         choose_backend(backend)  # refuse early, with the reason
+    profiles = [_profile(spec.strip(), args.seed) for spec in args.profile.split(",")]
+    bulk = None if args.bulk_mb is None else round(args.bulk_mb * 1e6)
+    _raise_on_sigterm()
     rows = []
-    for spec in args.profile.split(","):
-        profile = _profile(spec.strip(), args.seed)
-        bulk = None if args.bulk_mb is None else int(args.bulk_mb * 1e6)
+    for profile in profiles:
         rows += validate(profile, backends, args.samples, bulk, args.grpc, args.up,
                          progress=lambda msg: print(f"netsim validate: {msg}", file=sys.stderr, flush=True))
     print(format_table(rows))

@@ -9,7 +9,9 @@ Entering a namespace is per thread: `in_netns(name)` moves the calling thread on
 created inside it stay in that namespace after the thread leaves (an accepted or connected socket
 belongs to the namespace it was created in). Other processes are started inside a namespace with
 `netns_command(name, argv)`, which prefixes `argv` with this module's `main` (setns + exec), so no
-`preexec_fn` runs in a forked child of a threaded process and iproute2 is not needed.
+`preexec_fn` runs in a forked child of a threaded process and iproute2 is not needed. It calls
+`main` with `python -c`, not `-m`: the package imports this module, and runpy warns on every start
+when `-m` runs a module its package has already imported.
 
 Run as a program: `python -m splitspec.netsim.namespaces NAME -- COMMAND...`.
 """
@@ -139,7 +141,8 @@ def netns_command(name: str | None, argv: list[str]) -> list[str]:
     """`argv` wrapped so that it runs inside namespace `name` (None: unchanged)."""
     if name is None:
         return list(argv)
-    return [sys.executable, "-m", "splitspec.netsim.namespaces", name, "--", *argv]
+    return [sys.executable, "-c", "import sys; from splitspec.netsim.namespaces import main; sys.exit(main())",
+            name, "--", *argv]
 
 
 def write_sysctl(name: str, key: str, value: str) -> bool:

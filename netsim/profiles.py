@@ -22,8 +22,13 @@ class LinkProfile:
 
     delay_ms: mean one-way delay; jitter_ms: its spread (normal: standard deviation; uniform: half
     width; pareto: scale of a heavy right tail); loss_pct: packet / chunk loss in percent;
-    rate_mbit: bottleneck rate (None = unlimited); queue_kib: bottleneck queue; reorder_pct: share
-    of packets sent without delay (netem's reorder); seed: for every random draw.
+    rate_mbit: bottleneck rate (None or inf = unlimited, stored as None); queue_kib: bottleneck
+    queue; reorder_pct: share of packets sent without delay (netem's reorder); seed: for every
+    random draw. `offline` (loss_pct 100): every backend black-holes the link, as `Link.cut()` does.
+
+    Raises:
+        ValueError: a field of the wrong type (a string, a bool, a float seed), a non-finite number
+            (NaN, inf; only rate_mbit may be inf), or a value out of range. The message names the field.
     """
 
     name: str
@@ -37,6 +42,16 @@ class LinkProfile:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise ValueError(f"name must be a string, got {self.name!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if _is_number(self.rate_mbit) and self.rate_mbit == math.inf:
+            object.__setattr__(self, "rate_mbit", None)  # unlimited
+        for field in ("delay_ms", "jitter_ms", "loss_pct", "rate_mbit", "queue_kib", "reorder_pct"):
+            value = getattr(self, field)
+            if not (field == "rate_mbit" and value is None) and not (_is_number(value) and math.isfinite(value)):
+                raise ValueError(f"{field} must be a finite number, got {value!r}")
         if self.distribution not in DISTRIBUTIONS:
             raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {self.distribution!r}")
         if self.delay_ms < 0 or self.jitter_ms < 0 or self.queue_kib <= 0:
@@ -48,6 +63,7 @@ class LinkProfile:
 
     @property
     def offline(self) -> bool:
+        """Whether nothing crosses the link (loss 100%): the backends treat it as a cut."""
         return self.loss_pct >= 100
 
     @property
@@ -76,6 +92,10 @@ class LinkProfile:
         return asdict(self)
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 PRESETS = {
     "lan": LinkProfile("lan", delay_ms=0.25, jitter_ms=0.05, rate_mbit=1000.0),
     "wifi": LinkProfile("wifi", delay_ms=3.0, jitter_ms=2.0, loss_pct=0.05, rate_mbit=100.0),
@@ -89,7 +109,7 @@ def load_profile(spec: str) -> LinkProfile:
     """A preset name, or a TOML file with the LinkProfile fields at top level or under [link].
 
     Raises:
-        ValueError: unknown preset, unknown keys, or invalid values.
+        ValueError: unknown preset, not TOML, unknown keys, or invalid values (see LinkProfile).
         FileNotFoundError: the TOML file does not exist.
     """
     if spec in PRESETS:
@@ -104,6 +124,7 @@ def load_profile(spec: str) -> LinkProfile:
     if unknown:
         raise ValueError(f"{path}: unknown keys {sorted(unknown)}; expected some of {sorted(fields)}")
     data.setdefault("name", path.stem)
-    if "rate_mbit" in data and (data["rate_mbit"] is None or math.isinf(float(data["rate_mbit"]))):
-        data["rate_mbit"] = None
-    return LinkProfile(**data)
+    try:
+        return LinkProfile(**data)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None

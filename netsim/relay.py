@@ -4,8 +4,14 @@ Each chunk read from one side is delivered to the other after the profile's one-
 per chunk), behind a bottleneck of `rate_mbit` (chunks queue and are serialized in order), and
 with probability `loss_pct` a chunk is "lost": TCP would retransmit it, so it is delivered late by
 a stall of max(200 ms minimum RTO, 2 x RTT) instead of being dropped (the relay carries a byte
-stream, so it cannot drop bytes). Order is kept within a direction. `cut()` black-holes both
-directions (bytes are held, nothing is delivered) until `restore()`.
+stream, so it cannot drop bytes). Order is kept within a direction.
+
+`cut()` black-holes both directions until `restore()`, and so does an offline profile (loss 100%,
+`LinkProfile.offline`), as on the packet-level backends: bytes, half-closes (FIN) and closes are
+held and cross in order once the link is up; a connection made while the link is down is accepted
+by the kernel and left unanswered (the server is not contacted, nor is the client refused) until
+then. While the link is down, or the bottleneck is behind, a direction holds at most `MAX_HELD`
+bytes: then the relay stops reading from the sender, whose TCP window fills, as on a real link.
 
 Fidelity limits (measured in RELIABILITY.md on these machines): small-message latency matches a
 kernel-level emulator; bulk throughput under loss is overstated, since real TCP also shrinks its
@@ -32,6 +38,7 @@ from .profiles import LinkProfile
 
 CHUNK = 64 * 1024
 MIN_RTO_MS = 200.0
+MAX_HELD = 4 << 20  # bytes one direction holds (read, not yet delivered) before it stops reading
 
 
 class _Direction:
@@ -65,8 +72,9 @@ class RelayLink:
         self.rng = random.Random(profile.seed)
         self.server: asyncio.base_events.Server | None = None
         self.connected = asyncio.Event()
-        self._up = asyncio.Event()
-        self._up.set()
+        self._cut = False
+        self._up = asyncio.Event()  # set while bytes cross: not cut, and the profile is not offline
+        self._update_up()
         self._tasks: set[asyncio.Task] = set()
         self._directions: set[_Direction] = set()
         self.bytes_up = self.bytes_down = 0
@@ -88,24 +96,47 @@ class RelayLink:
 
     def cut(self) -> None:
         """Black-hole both directions until `restore()` (connections stay open, nothing arrives)."""
-        self._up.clear()
+        self._cut = True
+        self._update_up()
 
     def set_profile(self, profile: LinkProfile) -> None:
         """Switch the link's delay, rate and loss now, for open connections too (a phone moving
-        from 4G to Wi-Fi); bytes already scheduled keep their delivery times."""
+        from 4G to Wi-Fi); bytes already scheduled keep their delivery times. An offline profile
+        black-holes the link as `cut()` does, until a profile that is not offline."""
         self.profile = profile
         for direction in self._directions:
             direction.profile = profile
+        self._update_up()
 
     def restore(self) -> None:
-        self._up.set()
+        """End a `cut()`: what was held crosses now (unless the profile is offline)."""
+        self._cut = False
+        self._update_up()
+
+    def _update_up(self) -> None:
+        if self._cut or self.profile.offline:
+            self._up.clear()
+        else:
+            self._up.set()
 
     async def _handle(self, client_reader, client_writer) -> None:
+        handler = asyncio.current_task()
+        self._tasks.add(handler)  # `stop()` ends a connection still waiting for the link
         try:
-            server_reader, server_writer = await asyncio.open_connection(*self.upstream)
-        except OSError:
+            await self._up.wait()  # the SYN crosses only while the link is up
+            try:
+                server_reader, server_writer = await asyncio.open_connection(*self.upstream)
+            except OSError:
+                await self._up.wait()  # and so does the refusal coming back
+                return
+            await self._relay(client_reader, client_writer, server_reader, server_writer)
+        except asyncio.CancelledError:
+            pass  # `stop()`: ending normally, since Python 3.11's streams log a handler task that ends cancelled
+        finally:
+            self._tasks.discard(handler)
             client_writer.close()
-            return
+
+    async def _relay(self, client_reader, client_writer, server_reader, server_writer) -> None:
         for writer in (client_writer, server_writer):
             sock = writer.get_extra_info("socket")
             if sock is not None:
@@ -119,33 +150,47 @@ class RelayLink:
         self._tasks.update(pumps)
         try:
             await asyncio.gather(*pumps, return_exceptions=True)
+            await self._up.wait()  # the closes cross the link only while it is up
         finally:
             self._tasks.difference_update(pumps)
             self._directions.difference_update((up, down))
-            for writer in (client_writer, server_writer):
-                writer.close()
+            server_writer.close()
 
     async def _pump(self, reader, writer, direction: _Direction, name: str) -> None:
         queue: asyncio.Queue = asyncio.Queue()
+        held = 0  # bytes read from the sender and not yet handed to the receiver
+        room = asyncio.Event()  # set when `held` falls to MAX_HELD or the delivery ends
 
         async def deliver() -> None:
-            while True:
-                at, data = await queue.get()
-                if data is None:  # the sender closed its side: pass the half-close on
-                    if writer.can_write_eof():
-                        writer.write_eof()
-                    return
-                await self._up.wait()
-                wait = at - time.monotonic()
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                await self._up.wait()
-                writer.write(data)
-                await writer.drain()
+            nonlocal held
+            try:
+                while True:
+                    at, data = await queue.get()
+                    await self._up.wait()
+                    if data is None:  # the sender closed its side: pass the half-close on
+                        if writer.can_write_eof():
+                            writer.write_eof()
+                        return
+                    wait = at - time.monotonic()
+                    if wait > 0:
+                        await asyncio.sleep(wait)
+                    await self._up.wait()
+                    writer.write(data)
+                    held -= len(data)
+                    if held <= MAX_HELD:
+                        room.set()
+                    await writer.drain()
+            finally:
+                room.set()
 
         sender = asyncio.create_task(deliver())
         try:
             while True:
+                while held > MAX_HELD and not sender.done():  # backpressure: the sender's window fills
+                    room.clear()
+                    await room.wait()
+                if sender.done():  # the receiver is gone: `await sender` says why
+                    break
                 data = await reader.read(CHUNK)
                 if not data:
                     await queue.put((0.0, None))
@@ -154,6 +199,7 @@ class RelayLink:
                     self.bytes_up += len(data)
                 else:
                     self.bytes_down += len(data)
+                held += len(data)
                 await queue.put((direction.deliver_at(time.monotonic(), len(data)), data))
             await sender
         except (ConnectionError, asyncio.CancelledError):

@@ -11,6 +11,9 @@
   process on the client side to a server on the server side: the transport path of a verify step
   without the model work.
 
+- `black_hole`: for an offline profile (loss 100%), which has no round trip to measure: nothing at
+  all may come back across the link (no connection answer, no echo, no close).
+
 `validate(profile, backends)` runs them on several backends of the same profile (echo probes at the
 same time, so a busy machine affects them alike; bulk transfers one after the other; each
 emulator, relay included, in a process of its own), and `format_table` prints the result as
@@ -27,7 +30,6 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 from .backends import Link, RelayBackend, make_link
@@ -37,6 +39,7 @@ ECHO, DOWNLOAD, UPLOAD = b"E", b"D", b"U"
 _HEADER = struct.Struct("!cQ")
 _STEADY = struct.Struct("!dQ")
 BLOCK = 64 * 1024
+MIN_BULK_BYTES = 4 * BLOCK  # the least transfer `bulk_throughput` takes
 
 
 @dataclass(frozen=True)
@@ -153,8 +156,9 @@ def _connect(link: Link, address: str, command: bytes, n: int = 0, timeout_s: fl
 
 # -- probes --------------------------------------------------------------------------------------
 def echo_round_trips(link: Link, server: ProbeServer, samples: int = 500, size: int = 64,
-                     warmup: int = 5) -> list[float]:
+                     warmup: int = 5, stop: threading.Event | None = None) -> list[float]:
     """`samples` round trips (ms) of a `size`-byte message, one at a time, after `warmup` unrecorded.
+    Once `stop` is set it returns after the round trip in progress, with the samples so far.
 
     Raises:
         ConnectionError / socket.timeout: the link lost the connection (e.g. cut for > 30 s).
@@ -165,12 +169,29 @@ def echo_round_trips(link: Link, server: ProbeServer, samples: int = 500, size: 
     out = []
     with _connect(link, server.address, ECHO) as sock:
         for i in range(warmup + samples):
+            if stop is not None and stop.is_set():
+                break
             t = time.perf_counter()
             sock.sendall(message)
             _recv_exact(sock, size)
             if i >= warmup:
                 out.append((time.perf_counter() - t) * 1e3)
     return out
+
+
+def black_hole(link: Link, server: ProbeServer, wait_s: float = 2.0) -> bool:
+    """Whether nothing comes back across the link for `wait_s` seconds: a connection to the echo
+    server gets no answer (tun / netem: the SYN is dropped; relay: the connection is left
+    unanswered), or, once connected, neither the echo of a byte nor a close arrives."""
+    try:
+        with _connect(link, server.address, ECHO, timeout_s=wait_s) as sock:
+            sock.sendall(b"x")
+            sock.recv(1)  # the echo, or b"" for a close: either crossed the link
+    except TimeoutError:
+        return True
+    except OSError:  # refused or reset: an answer crossed the link
+        return False
+    return False
 
 
 def bulk_throughput(link: Link, server: ProbeServer, nbytes: int, direction: str = "down") -> float:
@@ -181,8 +202,8 @@ def bulk_throughput(link: Link, server: ProbeServer, nbytes: int, direction: str
     """
     if direction not in ("down", "up"):
         raise ValueError(f"direction is 'down' or 'up', got {direction!r}")
-    if nbytes < 4 * BLOCK:
-        raise ValueError(f"a bulk transfer needs at least {4 * BLOCK} bytes, got {nbytes}")
+    if nbytes < MIN_BULK_BYTES:
+        raise ValueError(f"a bulk transfer needs at least {MIN_BULK_BYTES} bytes, got {nbytes}")
     if direction == "down":
         with _connect(link, server.address, DOWNLOAD, nbytes) as sock:
             seconds, steady_bytes = _receive_steady(sock, nbytes)
@@ -259,7 +280,13 @@ def _grpc_client(address: str, samples: int, warmup: int) -> list[float]:
 def expected_round_trip(profile: LinkProfile, size: int = 64, n: int = 100_000, seed: int = 0) -> Quantiles:
     """Round-trip quantiles (ms) the profile predicts for an idle echo of `size` payload bytes:
     two independent one-way delays plus the serialization of one packet each way (IP+TCP headers
-    included). Losses are left out (they move only the top 1/loss-rate of the sample)."""
+    included). Losses are left out (they move only the top 1/loss-rate of the sample).
+
+    Raises:
+        ValueError: the profile is offline: no round trip completes.
+    """
+    if profile.offline:
+        raise ValueError(f"profile {profile.name} is offline (loss 100%): no round trip completes")
     rng = random.Random(seed)
     serialization = 2 * profile.serialization_ms(size + 52)
     return Quantiles.of([profile.sample_delay_ms(rng) + profile.sample_delay_ms(rng) + serialization
@@ -269,13 +296,14 @@ def expected_round_trip(profile: LinkProfile, size: int = 64, n: int = 100_000, 
 # -- several backends, one profile ---------------------------------------------------------------
 @dataclass
 class ValidationRow:
-    """One backend's measurements for one profile (ms, Mbit/s)."""
+    """One backend's measurements for one profile (ms, Mbit/s). `rtt` and `expected_rtt` are None
+    for an offline profile, which has no round trip (`black_hole` checked that nothing crossed)."""
 
     backend: str
     profile: str
     seed: int
-    rtt: Quantiles
-    expected_rtt: Quantiles
+    rtt: Quantiles | None
+    expected_rtt: Quantiles | None
     rate_mbit: float | None
     down_mbit: float | None = None
     up_mbit: float | None = None
@@ -290,13 +318,16 @@ def validate(profile: LinkProfile, backends: list[str], samples: int = 500, bulk
              grpc_samples: int = 0, up: bool = False, progress=None) -> list[ValidationRow]:
     """Run the probes on each backend for `profile`. `bulk_bytes` 0 skips the transfers; None picks
     `default_bulk_bytes`. `grpc_samples` 0 skips the gRPC probe. `progress(str)` hears each phase.
+    An offline profile gets the `black_hole` check instead of every probe. An exception here (Ctrl-C
+    included) stops the echo probes after their round trip in progress, and removes the links
+    without waiting for a probe blocked on one.
 
     Raises:
         RuntimeError / ValueError: a backend cannot run here (see `choose_backend`).
+        RuntimeError: something crossed a backend's link with an offline profile.
     """
     say = progress or (lambda _msg: None)
     bulk_bytes = default_bulk_bytes(profile) if bulk_bytes is None else bulk_bytes
-    expected = expected_round_trip(profile)
     # every emulator in a process of its own: the probes' threads here cannot delay its packets
     links = [RelayBackend(profile, own_process=True) if name == "relay" else make_link(profile, name)
              for name in backends]
@@ -305,9 +336,12 @@ def validate(profile: LinkProfile, backends: list[str], samples: int = 500, bulk
         for link in links:
             link.start()
             servers.append(ProbeServer(link))
+        if profile.offline:
+            return _validate_offline(profile, links, servers, say)
         say(f"{profile.name}: {samples} echo round trips on {', '.join(backends)} at once")
-        with ThreadPoolExecutor(len(links)) as pool:
-            rtts = list(pool.map(lambda ls: echo_round_trips(ls[0], ls[1], samples), zip(links, servers)))
+        stop = threading.Event()
+        rtts = _at_once(lambda ls: echo_round_trips(*ls, samples, stop=stop), list(zip(links, servers)), stop)
+        expected = expected_round_trip(profile)
         rows = [ValidationRow(link.backend, profile.name, profile.seed, Quantiles.of(r), expected, profile.rate_mbit)
                 for link, r in zip(links, rtts)]
         for row, link, server in zip(rows, links, servers):
@@ -332,13 +366,63 @@ def validate(profile: LinkProfile, backends: list[str], samples: int = 500, bulk
             link.stop()
 
 
+def _at_once(fn, items: list, stop: threading.Event | None = None) -> list:
+    """`fn(item)` for every item at the same time, each on a daemon thread; the results in order.
+    `stop` is set once a call raises or the caller is interrupted (Ctrl-C, SIGTERM), which does not
+    wait for the threads: a probe blocked on a link that is being removed (a connect in flight)
+    would hold the exit for its whole timeout.
+
+    Raises:
+        The first exception a call raised, in the order of `items`.
+    """
+    stop = threading.Event() if stop is None else stop
+    results, errors = [None] * len(items), [None] * len(items)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = fn(items[i])
+        except Exception as err:  # raised below, in the caller's thread
+            errors[i] = err
+            stop.set()
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True, name="netsim-probe") for i in range(len(items))]
+    for thread in threads:
+        thread.start()
+    try:
+        for thread in threads:
+            thread.join()
+    finally:
+        stop.set()
+    for err in errors:
+        if err is not None:
+            raise err
+    return results
+
+
+def _validate_offline(profile: LinkProfile, links: list[Link], servers: list[ProbeServer],
+                      say) -> list[ValidationRow]:
+    """The rows of an offline profile: each link must black-hole a connection (checked at once).
+
+    Raises:
+        RuntimeError: something came back across a link."""
+    backends = ", ".join(link.backend for link in links)
+    say(f"{profile.name}: loss 100%, nothing to measure; checking that nothing comes back across {backends}")
+    silent = _at_once(lambda ls: black_hole(*ls), list(zip(links, servers)))
+    leaky = [link.backend for link, ok in zip(links, silent) if not ok]
+    if leaky:
+        raise RuntimeError(f"profile {profile.name} is offline, yet an answer crossed the {', '.join(leaky)} link")
+    return [ValidationRow(link.backend, profile.name, profile.seed, None, None, profile.rate_mbit, stats=link.stats())
+            for link in links]
+
+
 def agreement(a: Quantiles, b: Quantiles) -> dict[str, float]:
     """Relative differences |a - b| / b of p50 and p99."""
     return {"p50": abs(a.p50 - b.p50) / b.p50, "p99": abs(a.p99 - b.p99) / b.p99}
 
 
 def format_table(rows: list[ValidationRow]) -> str:
-    """Markdown table: round trip p50/p90/p99 (ms) against the profile's, throughput against rate."""
+    """Markdown table: round trip p50/p90/p99 (ms) against the profile's, throughput against rate.
+    An offline profile's row has "-" for the round trips and "offline" for the expected ones."""
     def num(x, fmt="{:.1f}"):
         return "-" if x is None else fmt.format(x)
 
@@ -347,9 +431,13 @@ def format_table(rows: list[ValidationRow]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         grpc = "-" if r.grpc is None else f"{r.grpc.p50:.2f} / {r.grpc.p99:.2f}"
-        lines.append(f"| {r.profile} | {r.backend} | {r.rtt.p50:.2f} | {r.rtt.p90:.2f} | {r.rtt.p99:.2f} "
-                     f"| {r.rtt.max:.1f} | {r.expected_rtt.p50:.2f} / {r.expected_rtt.p99:.2f} | {num(r.down_mbit)} "
-                     f"| {num(r.up_mbit)} | {num(r.rate_mbit, '{:g}')} | {grpc} |")
+        if r.rtt is None:
+            rtt = "- | - | - | - | offline"
+        else:
+            rtt = (f"{r.rtt.p50:.2f} | {r.rtt.p90:.2f} | {r.rtt.p99:.2f} | {r.rtt.max:.1f} "
+                   f"| {r.expected_rtt.p50:.2f} / {r.expected_rtt.p99:.2f}")
+        lines.append(f"| {r.profile} | {r.backend} | {rtt} | {num(r.down_mbit)} | {num(r.up_mbit)} "
+                     f"| {num(r.rate_mbit, '{:g}')} | {grpc} |")
     return "\n".join(lines)
 
 

@@ -34,6 +34,30 @@ def test_profile_from_toml_and_errors(tmp_path):
         LinkProfile("bad", distribution="cauchy")
 
 
+@pytest.mark.parametrize("field, value", [("delay_ms", "abc"), ("delay_ms", float("nan")), ("delay_ms", float("inf")),
+                                          ("jitter_ms", float("nan")), ("rate_mbit", float("nan")),
+                                          ("rate_mbit", -float("inf")), ("loss_pct", True), ("queue_kib", None),
+                                          ("reorder_pct", float("inf"))])
+def test_profile_refuses_non_numeric_and_non_finite_values(field, value, tmp_path):
+    with pytest.raises(ValueError, match=f"{field} must be a finite number"):
+        LinkProfile("bad", **{field: value})
+    literal = {"abc": '"abc"', "nan": "nan", "inf": "inf", "-inf": "-inf"}.get(str(value))
+    if literal:  # TOML can write it
+        path = tmp_path / "bad.toml"
+        path.write_text(f"{field} = {literal}\n")
+        with pytest.raises(ValueError, match=f"bad.toml: {field} must be a finite number"):
+            load_profile(str(path))
+
+
+def test_profile_infinite_rate_is_unlimited(tmp_path):
+    assert LinkProfile("t", rate_mbit=float("inf")).rate_mbit is None
+    path = tmp_path / "fast.toml"
+    path.write_text("rate_mbit = inf\n")
+    assert load_profile(str(path)).rate_mbit is None
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        LinkProfile("t", seed="x")
+
+
 class EchoServer:
     def __init__(self):
         self.sock = socket.socket()
@@ -138,6 +162,143 @@ def test_relay_cut_and_restore(echo):
         relay.restore()
         s.settimeout(5)
         assert s.recv(4) == b"ping"
+
+
+class SinkServer:
+    """Accepts connections and counts the bytes each one receives."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        self.received: list[int] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            self.received.append(0)
+            threading.Thread(target=self._count, args=(conn, len(self.conns) - 1), daemon=True).start()
+
+    def _count(self, conn, i):
+        try:
+            while data := conn.recv(1 << 16):
+                self.received[i] += len(data)
+        except OSError:
+            return
+
+    def close(self):
+        """Stop listening and close every connection (shutdown first: a socket another thread
+        blocks on is not released by close alone)."""
+        for sock in (self.sock, *self.conns):
+            _shut(sock)
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
+@pytest.fixture
+def sink():
+    server = SinkServer()
+    yield server
+    server.close()
+
+
+def _wait_for(predicate, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_relay_offline_profile_is_a_black_hole(echo):
+    """An offline profile (loss 100%) black-holes the relay like a cut, not a 200 ms stall; a
+    switch to a profile that is not offline lets what was held cross."""
+    with RelayThread(PRESETS["offline"], ("127.0.0.1", echo.port)) as relay, _connect(relay.port) as s:
+        s.sendall(b"ping")
+        s.settimeout(1.0)
+        with pytest.raises(socket.timeout):
+            s.recv(4)
+        relay.set_profile(PRESETS["lan"])
+        s.settimeout(10)
+        assert s.recv(4) == b"ping"
+
+
+def test_relay_cut_holds_closes_until_restore(sink):
+    """A server closing an idle connection during a cut: the client sees nothing until the
+    restore, then the end of the stream (a FIN crosses a link only while it is up)."""
+    with RelayThread(LinkProfile("t", delay_ms=1.0), ("127.0.0.1", sink.port)) as relay, \
+            _connect(relay.port) as s:
+        assert _wait_for(lambda: sink.conns)
+        relay.cut()
+        time.sleep(0.05)
+        _shut(sink.conns[0])
+        s.settimeout(0.5)
+        with pytest.raises(socket.timeout):
+            s.recv(4)
+        relay.restore()
+        s.settimeout(10)
+        assert s.recv(4) == b""
+
+
+def test_relay_cut_leaves_new_connections_unanswered(sink, caplog):
+    """While cut, a new connection reaches neither the server nor a refusal; at the restore it is
+    relayed (server up) or closed (server down). `stop()` ends a connection still waiting."""
+    with RelayThread(LinkProfile("t", delay_ms=1.0), ("127.0.0.1", sink.port)) as relay:
+        relay.cut()
+        with _connect(relay.port) as s:
+            s.sendall(b"held")
+            time.sleep(0.5)
+            assert not sink.conns  # the server was not contacted
+            relay.restore()
+            assert _wait_for(lambda: sink.received and sink.received[0] == 4)
+        sink.close()  # the server is down: the refusal also waits for the link
+        relay.cut()
+        with _connect(relay.port) as s:
+            s.settimeout(0.5)
+            with pytest.raises(socket.timeout):
+                s.recv(4)
+            relay.restore()
+            s.settimeout(10)
+            assert s.recv(4) == b""
+        relay.cut()
+        waiting = _connect(relay.port)
+        time.sleep(0.1)
+    waiting.close()
+    assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text
+
+
+def test_relay_holds_a_bounded_amount_while_cut(sink):
+    """While cut, the relay stops reading once a direction holds MAX_HELD bytes, so the sender's
+    TCP window fills; at the restore every byte crosses, in order."""
+    from splitspec.netsim.relay import CHUNK, MAX_HELD
+
+    block, cap = b"z" * (1 << 16), 64 << 20
+    with RelayThread(LinkProfile("t"), ("127.0.0.1", sink.port)) as relay, _connect(relay.port) as s:
+        relay.cut()
+        time.sleep(0.05)
+        s.settimeout(1.0)
+        sent = 0
+        with pytest.raises(socket.timeout):
+            while sent < cap:
+                sent += s.send(block)
+        assert relay.stats()["bytes_up"] <= MAX_HELD + CHUNK
+        assert sent < cap // 2  # the relay's bound plus the two sockets' buffers
+        relay.restore()
+        assert _wait_for(lambda: sink.received and sink.received[0] == sent, timeout_s=30), (sink.received, sent)
 
 
 def test_split_decoding_through_relay(stories, serve):

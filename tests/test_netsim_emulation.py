@@ -6,8 +6,10 @@ import json
 import os
 import random
 import socket
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -15,7 +17,8 @@ from splitspec.netsim import PRESETS, CutSchedule, LinkProfile, RelayBackend, Sc
 from splitspec.netsim.emulator import PacketEmulator, PacketScheduler, direction_rngs
 from splitspec.netsim.netem import netem_limit, netem_pyroute2_kwargs, netem_tc_args
 from splitspec.netsim.schedule import parse_duration_s
-from splitspec.netsim.validate import ProbeServer, Quantiles, echo_round_trips, expected_round_trip
+from splitspec.netsim.validate import (ProbeServer, Quantiles, echo_round_trips, expected_round_trip, format_table,
+                                       validate)
 
 
 # -- cut schedules --------------------------------------------------------------------------------
@@ -246,6 +249,16 @@ def test_quantiles_and_expected_round_trip():
     assert 40 < spread.p50 < 46 and 95 < spread.p99 < 115  # two N(21, 19) draws, each cut at 0
     with pytest.raises(ValueError):
         Quantiles.of([])
+    with pytest.raises(ValueError, match="offline"):  # no round trip to expect, not 0 ms
+        expected_round_trip(PRESETS["offline"])
+
+
+def test_validate_offline_profile_checks_the_black_hole():
+    """`offline` has no round trip: validate checks that nothing comes back over the relay (it
+    used to answer after a 200 ms "retransmission" stall) and prints no expected number."""
+    rows = validate(PRESETS["offline"], ["relay"], samples=5, bulk_bytes=0)
+    assert [(r.backend, r.rtt, r.expected_rtt) for r in rows] == [("relay", None, None)]
+    assert "| offline | relay | - | - | - | - | offline |" in format_table(rows)
 
 
 # -- `splitspec netsim run` over the relay (works without root) ----------------------------------
@@ -286,6 +299,57 @@ def test_netsim_run_over_the_relay(tmp_path):
     assert (result["link"]["backend"], result["link"]["profile"], result["link"]["seed"]) == ("relay", "5g", 4)
     assert result["exit"] == 0 and result["cuts"] == "30s:1s" and result["applied_cuts"] == []
     assert result["stats"]["bytes_up"] >= 4
+    # the commands as run, and as given
+    assert result["client"] == [sys.executable, str(client), f"127.0.0.1:{port}"]
+    assert result["client_template"][-1] == "{server}" and result["server_template"][-2:] == ["{host}", "{port}"]
+    assert result["server"][-2] == "127.0.0.1" and int(result["server"][-1]) != port  # the relay's private port
+
+
+def test_netsim_run_exit_status_of_a_client_killed_by_a_signal(tmp_path):
+    server = tmp_path / "server.py"
+    server.write_text(ECHO_SERVER)
+    done = subprocess.run(
+        [sys.executable, "-m", "splitspec.netsim.cli", "run", "--profile", "lan", "--backend", "relay",
+         "--port", "0", "--client", "sh -c 'kill -9 $$'", "--", sys.executable, str(server), "{host}", "{port}"],
+        capture_output=True, text=True, timeout=60)
+    assert done.returncode == 128 + signal.SIGKILL, done.stderr  # as a shell reports it, not 256 - 9
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "--profile", "lan", "--port", "99999", "--", "true"], "--port: 99999 must lie in 0..65535"),
+    (["validate", "--samples", "0"], "--samples: 0 must be >= 1"),
+    (["validate", "--grpc", "-1"], "--grpc: -1 must be >= 0"),
+    (["validate", "--bulk-mb", "0.1"], "--bulk-mb: 0.1 must be 0 (skip) or at least 0.262144 MB"),
+    (["validate", "--bulk-mb", "nan"], "--bulk-mb: nan must be 0"),
+])
+def test_netsim_cli_checks_numbers_before_building_links(argv, message, capsys, monkeypatch):
+    from splitspec.cli.main import main
+    from splitspec.netsim import cli
+
+    monkeypatch.setattr(cli, "make_link", lambda *a, **k: pytest.fail("a link was built"))
+    monkeypatch.setattr(cli, "validate", lambda *a, **k: pytest.fail("the probes ran"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["netsim", *argv])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_netsim_validate_stops_promptly_on_a_signal(signum):
+    """Ctrl-C or SIGTERM during the echo probes (about 25 s of them here) ends `validate` within a
+    few seconds: the probes stop after their round trip in progress, then the links are removed."""
+    proc = subprocess.Popen([sys.executable, "-m", "splitspec.netsim.cli", "validate", "--profile", "4g",
+                             "--backends", "relay", "--samples", "500", "--bulk-mb", "0", "--grpc", "0"],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    try:
+        assert "echo round trips" in proc.stderr.readline()
+        time.sleep(1.0)
+        sent = time.monotonic()
+        proc.send_signal(signum)
+        assert proc.wait(timeout=60) == 128 + signum
+        assert time.monotonic() - sent < 5.0
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_netsim_cli_refuses_clearly(capsys):
@@ -306,3 +370,13 @@ def test_namespace_names_carry_the_pid():
     assert _NAME.match(client).group(2) == str(os.getpid()) and client.replace("cli", "srv") == server
     assert netns_command(None, ["x"]) == ["x"]
     assert netns_command("ns", ["x", "-y"])[-4:] == ["ns", "--", "x", "-y"]
+
+
+def test_namespace_helper_starts_without_a_runpy_warning():
+    """The helper that enters a namespace runs without runpy's "found in sys.modules" warning on
+    the command's stderr (the namespace here does not exist, so it stops at setns)."""
+    from splitspec.netsim.namespaces import netns_command
+
+    done = subprocess.run(netns_command("ss-none-0-0", ["true"]), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "cannot enter network namespace ss-none-0-0" in done.stderr
+    assert "Warning" not in done.stderr, done.stderr

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -94,6 +95,30 @@ def test_tun_cut_restore_processes_and_cleanup():
             sock.settimeout(10)  # TCP retransmits on its own backoff timer
             assert sock.recv(4) == b"ping"
     assert not {client_ns, server_ns} & set(os.listdir("/var/run/netns"))
+
+
+def test_offline_profile_black_holes_tun_and_relay():
+    """`offline` (loss 100%): nothing comes back over either backend (tun drops the SYNs)."""
+    _require("tun")
+    relay, tun = validate(PRESETS["offline"], ["relay", "tun"], samples=5, bulk_bytes=0)
+    assert relay.rtt is tun.rtt is relay.expected_rtt is None
+    assert tun.stats["up"]["lost"] >= 1 and tun.stats["down"]["delivered"] == 0
+
+
+def test_validate_sigterm_removes_the_namespaces():
+    """SIGTERM during `netsim validate` (as `timeout` sends) removes its namespaces, promptly."""
+    _require("tun")
+    proc = subprocess.Popen([sys.executable, "-m", "splitspec.netsim.cli", "validate", "--profile", "4g",
+                             "--backends", "tun", "--samples", "500", "--bulk-mb", "0", "--grpc", "0"],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    try:
+        assert "echo round trips" in proc.stderr.readline()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not [name for name in os.listdir("/var/run/netns") if f"-{proc.pid}-" in name]
 
 
 def test_tun_cleanup_after_failures(monkeypatch):
