@@ -79,8 +79,8 @@ class BenchConfig:
 
     @classmethod
     def from_args(cls, args) -> "BenchConfig":
-        """Raises ValueError: bad counts, bad sampling settings, unknown method options, options on
-        single-device methods, unknown link profiles; FileNotFoundError: a profile .toml that does not exist."""
+        """Raises ValueError: bad counts, bad sampling settings, a method, profile, dataset or category
+        listed twice, unknown method options, options on single-device methods, unknown link profiles; FileNotFoundError: a profile .toml that does not exist."""
         threads = args.threads if args.threads is not None else max(1, (os.cpu_count() or 2) // 2)
         if threads < 1 or args.limit < 1 or args.max_new_tokens < 1:
             raise ValueError("--threads, --limit and --max-new-tokens must be >= 1")
@@ -89,6 +89,12 @@ class BenchConfig:
                   args.seed, threads, _csv(args.datasets), _csv(args.categories), args.limit, args.max_new_tokens,
                   args.spec_bench, args.lsa_placement, args.feature_quant, args.goal_profile,
                   Path(args.out) if args.out else None, sampling)
+        for flag, values in (("--methods", cfg.methods), ("--local-methods", cfg.local_methods),
+                             ("--profiles", cfg.profiles), ("--datasets", cfg.datasets),
+                             ("--categories", cfg.categories)):
+            twice = sorted({v for v in values if values.count(v) > 1})
+            if twice:  # the arms (or prompts) of a repeat would be pooled into one row
+                raise ValueError(f"{flag} lists {', '.join(twice)} more than once")
         for m in cfg.methods:
             cfg.split_spec(m)
         for m in cfg.local_methods:

@@ -133,6 +133,8 @@ def _counts(what: str):
             raise argparse.ArgumentTypeError(f"expected comma-separated {what} counts, got {text!r}") from None
         if not counts or min(counts) < 1:
             raise argparse.ArgumentTypeError(f"{what} counts must be >= 1, got {text!r}")
+        if len(set(counts)) != len(counts):
+            raise argparse.ArgumentTypeError(f"a {what} count is given twice in {text!r}")
         return counts
     return parse
 
@@ -151,11 +153,15 @@ def parse_batch(text: str) -> tuple[int, str]:
 
 
 def _max_batches(text: str) -> list[tuple[int, str]]:
-    """An argparse type: '1,8:padded' -> [(1, 'ragged'), (8, 'padded')]."""
+    """An argparse type: '1,8:padded' -> [(1, 'ragged'), (8, 'padded')]; a value given twice (8,8 or
+    8,8:ragged: one label, so the report would pool the two points) is refused."""
     try:
-        return [parse_batch(b) for b in text.split(",")]
+        batches = [parse_batch(b) for b in text.split(",")]
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    if len(set(batches)) != len(batches):
+        raise argparse.ArgumentTypeError(f"a --max-batch value is given twice in {text!r}")
+    return batches
 
 
 def _windows(text: str) -> list[float]:

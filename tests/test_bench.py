@@ -341,3 +341,26 @@ def test_bench_sampled_single_device(stories_path, tmp_path):
     table = (tmp_path / "a" / "table.md").read_text()
     assert "sampled (temperature 0.9, top-p 0.95, answer i seeded 0 + i)" in table and "| sampled |" in table
     assert "/2 |" not in table and "### Goals (sampled," in table
+
+
+def test_a_method_profile_or_batch_given_twice_is_refused(capsys):
+    """`--methods none,ngram,ngram` ran two arms with one drafter and pooled their answers into one
+    row; `serve-bench --max-batch 8,8` shares one "vs 1 client" base: both are refused."""
+    parser = build_parser()
+    for flag, value in (("--methods", "none,ngram,ngram"), ("--local-methods", "moa,moa"), ("--profiles", "lan,lan"),
+                        ("--categories", "writing,writing")):
+        with pytest.raises(ValueError, match=f"{flag} lists .* more than once"):
+            BenchConfig.from_args(parser.parse_args(["bench", flag, value]))
+    for argv in (["--max-batch", "8,8"], ["--max-batch", "8,8:ragged"], ["--clients", "1,1"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve-bench", *argv])
+        assert "given twice" in capsys.readouterr().err
+    assert parser.parse_args(["serve-bench", "--max-batch", "8,8:padded"]).max_batch == [(8, "ragged"), (8, "padded")]
+
+
+def test_the_calls_per_token_plot_draws_the_goal_of_the_table():
+    """The plot's goal line said 0.3 where the table's goal (metrics.goals) and the README say 0.4."""
+    from splitspec.bench.report import CALLS_GOAL
+
+    bounds = {g.bound for g in goals(aggregate(synthetic_run()), "4g") if "server calls per generated token" in g.text}
+    assert bounds == {CALLS_GOAL} == {0.4}

@@ -37,3 +37,37 @@ def test_runs_get_distinct_styles():
     run look alike."""
     runs = [f"session{i}-train{i}" for i in range(48)]
     assert len(set(run_styles(runs).values())) == 48
+
+
+def test_bad_folders_and_records_are_named(tmp_path):
+    """A missing folder gave an empty table and plot with rc 0, a record without heldout_top1 a
+    KeyError traceback, a corrupt line a JSON error without a file name; two runs whose folders end
+    alike overwrote each other."""
+    import pytest
+
+    with pytest.raises(ValueError, match="no history.jsonl"):
+        read_histories([tmp_path / "missing"])
+    _write(tmp_path / "partial", [{"tokens": 10, "tau": 1.2}])
+    with pytest.raises(ValueError, match="partial/history.jsonl line 1: a record needs tau, heldout_top1"):
+        read_histories([tmp_path / "partial"])
+    (tmp_path / "corrupt").mkdir()
+    (tmp_path / "corrupt" / "history.jsonl").write_text('{"tokens": 1, "tau": 1.0, "heldout_top1": 0.1}\n{"tok\n')
+    with pytest.raises(ValueError, match="corrupt/history.jsonl line 2: not a JSON record"):
+        read_histories([tmp_path / "corrupt"])
+    for root in ("a", "b"):
+        _write(tmp_path / root / "x" / "moa-tli0", [{"tokens": 1, "tau": 1.0, "heldout_top1": 0.1}])
+    with pytest.raises(ValueError, match="both be labelled 'moa-tli0 \\(x\\)'"):
+        read_histories([tmp_path / "a", tmp_path / "b"])
+
+
+def test_a_one_drafter_run_is_labelled_by_its_drafter(tmp_path):
+    """A one-drafter run keeps its history in the run folder: the label is "drafter (run)", the
+    drafter read from its drafter.json (it read "run1 ()" before)."""
+    record = {"tokens": 1, "tau": 1.0, "heldout_top1": 0.1}
+    for run, meta in (("run1", {"kind": "eagle2", "config": {}}), ("run2", {"kind": "moa", "config": {"tli": 1}})):
+        _write(tmp_path / run, [record])
+        (tmp_path / run / "drafter.json").write_text(json.dumps(meta))
+    _write(tmp_path / "run3" / "moa-tli0", [record])  # a several-drafter run's drafter folder
+    (tmp_path / "run3" / "moa-tli0" / "drafter.json").write_text(json.dumps({"kind": "moa", "config": {"tli": 0}}))
+    histories = read_histories([tmp_path / "run1", tmp_path / "run2", tmp_path / "run3"])
+    assert sorted(histories) == ["eagle2 (run1)", "moa-tli0 (run3)", "moa-tli1 (run2)"]

@@ -373,10 +373,16 @@ def test_heldout_figures_do_not_depend_on_the_training_max_len(stories_path, tmp
     from splitspec.train import trainer
 
     train(_small(stories_path, tmp_path / "run", drafter="eagle2"), progress=False)
-    monkeypatch.setattr(trainer, "HELDOUT_MAX_LEN", 12)  # shorter than the held-out conversations
+    whole = train(_small(stories_path, tmp_path / "none", drafter="eagle2", init=str(tmp_path / "run"),
+                         eval_only=True), progress=False)["eagle2"]
+    # shorter than the held-out conversations, long enough to reach their answers (at 12 none was
+    # scored, and the test compared two held-out losses of 0.0 that measured nothing)
+    monkeypatch.setattr(trainer, "HELDOUT_MAX_LEN", 40)
     figures = [train(_small(stories_path, tmp_path / "none", drafter="eagle2", init=str(tmp_path / "run"),
                             eval_only=True, max_len=max_len), progress=False)["eagle2"]
                for max_len in (16, 256)]
+    assert figures[0]["heldout_scored"] == whole["heldout_scored"] == 2
+    assert all(a[0] < b[0] for a, b in zip(figures[0]["per_conversation"], whole["per_conversation"]))
     assert figures[0]["heldout_loss"] == figures[1]["heldout_loss"] and figures[0]["tau"] == figures[1]["tau"]
 
 

@@ -80,7 +80,7 @@ train() {  # $1 dtype, $2 minutes, $3 run folder
     --eval-prompts "$EVALP" --heldout 16 --profile-steps 3 --out "$3" > "$3.log" 2>&1
 }
 log "train start ($DRAFTERS from $INIT, ${TRAIN_MIN} min, batch $BATCH, lr $LR, staircase $STAIRCASE, max-len $MAXLEN; data $DATA)"
-T1=$(date +%s); train bfloat16 "$TRAIN_MIN" "$R/train"; rc=$?
+rm -rf "$R/train"; T1=$(date +%s); train bfloat16 "$TRAIN_MIN" "$R/train"; rc=$?  # train refuses a folder holding a run
 log "train rc=$rc"
 if [ $rc -eq 124 ] && ls "$R"/train/*/model.safetensors > /dev/null 2>&1; then
   # the clock stopped training and the checkpoints were written; what ran past the grace was the

@@ -16,6 +16,33 @@ def add_train_parsers(sub) -> None:
     add_curve_parser(sub)
 
 
+def _at_least(low: int):
+    """An argparse type: an integer >= `low`."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+def _nonnegative_float(text: str) -> float:
+    """An argparse type: a number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+POSITIVE, NONNEGATIVE = _at_least(1), _at_least(0)
+
+
 def _chunk(text: str) -> tuple[int, int]:
     low, _, high = text.partition("-")
     if not (low.isdigit() and high.isdigit()) or not 1 <= int(low) <= int(high):
@@ -32,8 +59,8 @@ def _add_recipe_args(p: argparse.ArgumentParser) -> None:
                    help="sharegpt, or JSONL files written by `splitspec distill-data` (comma-separated; their "
                         "examples are pooled and shuffled); FILE[START:END] takes a record range, e.g. "
                         "data/smollm2-answers.jsonl[2320:] for the records after the first 2,320")
-    p.add_argument("--max-len", type=int, default=512)
-    p.add_argument("--batch", type=int, default=8, help="conversations per optimizer step")
+    p.add_argument("--max-len", type=POSITIVE, default=512)
+    p.add_argument("--batch", type=POSITIVE, default=8, help="conversations per optimizer step")
     p.add_argument("--micro-batch", type=int, default=0,
                    help="conversations per target forward, gradients accumulated over a --batch (must divide it; "
                         "0 = the whole batch at once): a large batch in the memory of a small one")
@@ -70,7 +97,7 @@ def _add_recipe_args(p: argparse.ArgumentParser) -> None:
                         "(moa-tli1=client/checkpoints/smollm2-135m/moa-tli0); drafters without one start from scratch. "
                         "Give a lower --lr (about where the earlier run's schedule ended, e.g. 2e-4): a fresh warm-up "
                         "to 1e-3 first undoes part of what the weights learned (docs/training.md, session 10)")
-    p.add_argument("--skip-tokens", type=int, default=0,
+    p.add_argument("--skip-tokens", type=NONNEGATIVE, default=0,
                    help="skip this many tokens of the shuffled data first (what the --init weights already saw)")
 
 
@@ -88,8 +115,8 @@ def _config(args, out: Path, **extra):
 def _add_train_parser(sub) -> None:
     p = sub.add_parser("train", help="train MoA / EAGLE-2 / Falcon / TokenSwift drafters by distillation from the target")
     _add_recipe_args(p)
-    p.add_argument("--max-tokens", type=int, default=200_000, help="training tokens per epoch")
-    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--max-tokens", type=POSITIVE, default=200_000, help="training tokens per epoch")
+    p.add_argument("--epochs", type=POSITIVE, default=1)
     p.add_argument("--eval-every", type=int, default=50, help="optimizer steps between held-out evaluations (0 = only when the run stops)")
     p.add_argument("--max-minutes", type=float, default=0.0,
                    help="stop cleanly after this many minutes of training (0 = no limit); time paused with "
@@ -105,11 +132,19 @@ def _add_train_parser(sub) -> None:
     p.add_argument("--cudnn-attention", action="store_true",
                    help="CUDA: let SDPA use cuDNN's attention (left out by default: it builds a graph for every "
                         "new batch shape, host time that dominated an H100's step; trainer.attention_backends)")
-    p.add_argument("--heldout", type=int, default=16, help="held-out conversations (loss, top-1, memory gain)")
-    p.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts of the tau measurement")
-    p.add_argument("--eval-new-tokens", type=int, default=48, help="tokens generated per tau prompt")
+    p.add_argument("--heldout", type=NONNEGATIVE, default=16,
+                   help="held-out conversations (loss, top-1, memory gain; 0 = none, and no held-out figures)")
+    p.add_argument("--eval-prompts", type=NONNEGATIVE, default=4, help="held-out prompts of the tau measurement")
+    p.add_argument("--eval-new-tokens", type=POSITIVE, default=48, help="tokens generated per tau prompt")
     p.add_argument("--out", help="run folder (required unless --eval-only)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out exactly where it stopped")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out exactly where it stopped; refused where --out holds no saved "
+                        "run, another --drafter list, or a changed recipe (data, budget, --max-len, --batch, --lr, "
+                        "seeds, --heldout, losses, --init: trainer.RESUME_KEYS); --device, --dtype, --compile, "
+                        "--micro-batch, --max-minutes and the evaluation settings may change, and --epochs too "
+                        "(extending the run: a warning, and the card says so)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start a new run in an --out that holds one, replacing its checkpoints (refused without)")
     p.add_argument("--eval-only", action="store_true",
                    help="measure the --init checkpoints on the held-out split (loss, top-1, memory gain, tau over "
                         "--eval-prompts prompts, at most --heldout) and print the records; trains and writes nothing")
@@ -127,6 +162,7 @@ def train_config(args):
     return _config(args, Path(args.out or "."), max_tokens=args.max_tokens, epochs=args.epochs,
                    eval_every=args.eval_every, max_minutes=args.max_minutes, resume=args.resume,
                    time_schedule=args.time_schedule, profile_steps=args.profile_steps, heldout=args.heldout,
+                   overwrite=args.overwrite,
                    cudnn_attention=args.cudnn_attention,
                    eval_prompts=args.eval_prompts, eval_new_tokens=args.eval_new_tokens, eval_only=args.eval_only,
                    against=args.against)
@@ -142,7 +178,7 @@ def _add_train_bench_parser(sub) -> None:
     p = sub.add_parser("train-bench", help="training tokens/s per drafter: the reference path vs the fast path, "
                                            "side by side in one process")
     _add_recipe_args(p)
-    p.add_argument("--tokens", type=int, default=8_000, help="training tokens each path processes")
+    p.add_argument("--tokens", type=POSITIVE, default=8_000, help="training tokens each path processes")
     p.set_defaults(func=cmd_train_bench)
 
 
@@ -163,26 +199,26 @@ def cmd_train_bench(args) -> None:
 def _add_distill_parser(sub) -> None:
     p = sub.add_parser("distill-data", help="write the target's own answers to ShareGPT prompts (token ids, JSONL)")
     p.add_argument("--target", default=DEFAULT_TARGET)
-    p.add_argument("--out", required=True, help="JSONL file (appended to; resumable)")
-    p.add_argument("--limit", type=int, default=1000,
+    p.add_argument("--out", required=True, help="JSONL file (appended to; resumable; plain, not .gz / .xz)")
+    p.add_argument("--limit", type=POSITIVE, default=1000,
                    help="prompts to answer (a larger --limit on an existing file appends; a last batch an earlier "
                         "--limit cut short is answered again whole)")
-    p.add_argument("--start", type=int, default=0,
+    p.add_argument("--start", type=NONNEGATIVE, default=0,
                    help="skip the first START prompts (those another file already answers): --limit counts from "
                         "prompt 0, so --start 5000 --limit 8000 answers prompts 5,000-7,999")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--max-prompt-len", type=int, default=256)
-    p.add_argument("--min-prompt-len", type=int, default=0,
+    p.add_argument("--batch", type=POSITIVE, default=16)
+    p.add_argument("--max-prompt-len", type=POSITIVE, default=256)
+    p.add_argument("--min-prompt-len", type=NONNEGATIVE, default=0,
                    help="skip shorter prompts: e.g. 257 with --max-prompt-len 1024 gives the long-context prompts a "
                         "file written with the default 256 left out (train with a --max-len that holds them)")
     p.add_argument("--turns", default="first", choices=["first", "later", "middle"],
                    help="first: answer each conversation's first user turn; later: its deepest later user turn "
                         "whose history fits --max-prompt-len (multi-turn prompts); middle: every other later user "
                         "turn that fits (several per conversation, none that first or later answer)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the drafters' main use)")
+    p.add_argument("--max-new-tokens", type=POSITIVE, default=256)
+    p.add_argument("--temperature", type=_nonnegative_float, default=0.0, help="0 = greedy (the drafters' main use)")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--heldout", type=int, default=16, help="held-out conversations left out (as in `train`)")
+    p.add_argument("--heldout", type=NONNEGATIVE, default=16, help="held-out conversations left out (as in `train`)")
     p.add_argument("--seed", type=int, default=0,
                    help="the held-out split's seed (train's --split-seed) and the sampling seed")
     p.add_argument("--sample-seed", type=int, default=None,
@@ -211,9 +247,9 @@ def _add_draft_vocab_parser(sub) -> None:
     p = sub.add_parser("draft-vocab", help="count the target's tokens in ShareGPT responses for the draft vocabulary")
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--data", default="sharegpt", choices=["sharegpt"])
-    p.add_argument("--max-len", type=int, default=2048, help="tokens counted per conversation")
-    p.add_argument("--limit", type=int, default=None, help="count only this many training conversations")
-    p.add_argument("--heldout", type=int, default=16, help="held-out conversations left out of the counts (as train's)")
+    p.add_argument("--max-len", type=POSITIVE, default=2048, help="tokens counted per conversation")
+    p.add_argument("--limit", type=POSITIVE, default=None, help="count only this many training conversations")
+    p.add_argument("--heldout", type=NONNEGATIVE, default=16, help="held-out conversations left out of the counts (as train's)")
     p.add_argument("--split-seed", type=int, default=0, help="which conversations are held out (as train's)")
     p.add_argument("--out", default=None, help="default: client/checkpoints/<target>/token_counts.safetensors")
     p.set_defaults(func=cmd_draft_vocab)

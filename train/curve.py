@@ -14,15 +14,51 @@ def read_histories(dirs: list[Path]) -> dict[str, list[dict]]:
 
     A record needs `tokens` (or `tokens_total`, which counts the tokens an `--init` checkpoint had
     already seen), `tau` and `heldout_top1`; `memory_gain`, `heldout_loss` and `elapsed_s` are
-    shown where present (a curve transcribed from an older run's notes may lack them)."""
-    out = {}
+    shown where present (a curve transcribed from an older run's notes may lack them). The drafter
+    is the one its checkpoint's drafter.json names, where there is one (a one-drafter run keeps it
+    beside history.jsonl in the run folder), else the history's folder (`<run>/<drafter>/`).
+
+    Raises:
+        ValueError: a folder that is missing or holds no history, a line that is no record or
+            lacks a needed figure (named by file and line), or two histories of one label.
+    """
+    out, where = {}, {}
     for d in dirs:
-        for path in sorted(Path(d).rglob("history.jsonl")):
-            if path.parent.name == "best":
-                continue
-            records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            out[f"{path.parent.name} ({path.parent.parent.name})"] = records
+        paths = [p for p in sorted(Path(d).rglob("history.jsonl")) if p.parent.name != "best"]
+        if not paths:
+            raise ValueError(f"{d}: no history.jsonl there (not a training run folder)")
+        for path in paths:
+            records = [_record(path, number, line) for number, line in enumerate(path.read_text().splitlines(), 1)
+                       if line.strip()]
+            drafter = _drafter(path.parent)
+            run = path.parent.parent.name if drafter == path.parent.name else path.parent.name
+            name = f"{drafter} ({run})"
+            if name in out:
+                raise ValueError(f"{where[name]} and {path} would both be labelled {name!r}: give the runs "
+                                 f"folders of distinct names")
+            out[name], where[name] = records, path
     return out
+
+
+def _record(path: Path, number: int, line: str) -> dict:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} line {number}: not a JSON record ({err})") from None
+    if not isinstance(record, dict) or "tau" not in record or "heldout_top1" not in record or not (
+            "tokens" in record or "tokens_total" in record):
+        raise ValueError(f"{path} line {number}: a record needs tau, heldout_top1 and tokens (or tokens_total)")
+    return record
+
+
+def _drafter(folder: Path) -> str:
+    """The drafter name of a checkpoint folder's drafter.json (`DrafterJob.name`), else the folder's name."""
+    from .trainer import DrafterJob
+
+    meta = folder / "drafter.json"
+    if not meta.exists():
+        return folder.name
+    return DrafterJob.of_checkpoint(json.loads(meta.read_text())).name
 
 
 def tokens(record: dict) -> int:

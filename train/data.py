@@ -122,7 +122,12 @@ def split_heldout(conversations: list, heldout: int, seed: int) -> tuple[list, l
     its first turn is the answer the held-out prompt is measured on), so the held-out list can be
     shorter than `heldout`. Which conversations are left out depends only on (len, heldout, seed),
     so files distilled before this rule still leave out exactly this run's drawn ones.
+
+    Raises:
+        ValueError: a negative `heldout` (a slice `order[:-1]` would hold out all but one).
     """
+    if heldout < 0:
+        raise ValueError(f"heldout must be >= 0, got {heldout}")
     order = list(range(len(conversations)))
     random.Random(seed).shuffle(order)
     drawn = set(order[:heldout])

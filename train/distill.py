@@ -35,7 +35,10 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import lzma
+import math
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -43,6 +46,7 @@ import torch
 
 from .data import Example, sharegpt_split
 
+log = logging.getLogger(__name__)
 TURNS = ("first", "later", "middle")
 CACHES = ("dynamic", "static")
 
@@ -67,6 +71,14 @@ class DistillConfig:
     cache: str = "dynamic"  # dynamic | static (see the module docstring)
 
     def __post_init__(self):
+        if self.batch < 1 or self.limit < 1 or self.max_new_tokens < 1 or self.heldout < 0:
+            raise ValueError(f"need batch, limit and max_new_tokens >= 1 and heldout >= 0, got batch {self.batch}, "
+                             f"limit {self.limit}, max_new_tokens {self.max_new_tokens}, heldout {self.heldout}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if Path(self.out).suffix in COMPRESSED:
+            raise ValueError(f"{self.out}: distill-data writes plain JSONL (it appends and resumes); give a .jsonl "
+                             f"name and compress the finished file (gzip -k, xz -k)")
         if self.turns not in TURNS:
             raise ValueError(f"turns must be one of {TURNS}, not {self.turns!r}")
         if self.cache not in CACHES:
@@ -123,16 +135,22 @@ def _later_turns(tokenizer, conv: list[dict], max_prompt_len: int) -> list[list[
 
 
 def _done(path: Path, keep: int | None = None) -> int:
-    """Records already written (a torn last line, from a killed run, is dropped; with `keep`, the
-    records after the first `keep` too)."""
+    """Records already written. A torn last line (from a killed run) is dropped, and with `keep` the
+    records after the first `keep` too; the file is then rewritten through a temporary file and
+    `os.replace`, so that a kill or a full disk during the rewrite leaves the old file whole."""
     if not path.exists():
         return 0
-    lines = path.read_text().splitlines(keepends=True)
+    text = path.read_text()
+    lines = text.splitlines(keepends=True)
     while lines and not lines[-1].endswith("\n"):
         lines.pop()
     if keep is not None:
         lines = lines[: 1 + keep]
-    path.write_text("".join(lines))
+    kept = "".join(lines)
+    if kept != text:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(kept)
+        os.replace(tmp, path)
     return max(0, len(lines) - 1)
 
 
@@ -163,20 +181,21 @@ def distill_data(cfg: DistillConfig, conversations: list | None = None) -> dict:
     """Write (or complete) the JSONL file; returns counts.
 
     Raises:
-        ValueError: the file was written with other settings.
+        ValueError: the file is no distill-data file (`read_header`; it is left as it is) or was
+            written with other settings.
     """
     from splitspec.shared.models import eos_token_ids, load_model
 
     model, tokenizer, model_id = load_model(cfg.target, device=cfg.device, dtype=cfg.dtype)
     header = cfg.header(model_id)
-    done = _done(cfg.out)
-    if done or cfg.out.exists() and cfg.out.stat().st_size:
-        first = read_header(cfg.out)
+    if cfg.out.exists() and cfg.out.stat().st_size:
+        first = read_header(cfg.out)  # before `_done` may trim the file
         first.setdefault("turns", "first")  # files written before `turns` existed
         first.setdefault("min_prompt_len", 0)  # or before `min_prompt_len`
         if first != header:
             raise ValueError(f"{cfg.out} was written with other settings: {first}")
-    else:
+    done = _done(cfg.out)
+    if not cfg.out.exists() or not cfg.out.stat().st_size:  # new, or only a torn header line
         cfg.out.parent.mkdir(parents=True, exist_ok=True)
         cfg.out.write_text(json.dumps(header) + "\n")
     prompts = _prompts(cfg, tokenizer, conversations)[cfg.start:]
@@ -231,10 +250,66 @@ def open_data(path: str | Path):
     return opener(path, "rt") if opener else path.open()
 
 
+def _read_text(path: str | Path) -> str:
+    """The whole text of a distill-data file or of a compressed copy (`open_data`).
+
+    Raises:
+        ValueError: it cannot be read or decoded (missing, a truncated or corrupt .gz / .xz copy).
+    """
+    try:
+        with open_data(path) as f:
+            return f.read()
+    except (OSError, EOFError, lzma.LZMAError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: cannot read it as a distill-data file ({err})") from None
+
+
 def read_header(path: str | Path) -> dict:
-    """The settings line (first line) of a distill-data file or of a compressed copy (`open_data`)."""
-    with open_data(path) as f:
-        return json.loads(f.readline())
+    """The settings line (first line) of a distill-data file or of a compressed copy (`open_data`).
+
+    Raises:
+        ValueError: the file cannot be read, or its first line is no distill-data header.
+    """
+    try:
+        with open_data(path) as f:
+            line = f.readline()
+    except (OSError, EOFError, lzma.LZMAError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: cannot read it as a distill-data file ({err})") from None
+    try:
+        header = json.loads(line)
+    except json.JSONDecodeError:
+        header = None
+    if not isinstance(header, dict) or "splitspec_distill" not in header:
+        raise ValueError(f"{path} line 1: not a distill-data header (is it a file `splitspec distill-data` wrote?)")
+    return header
+
+
+def same_model(made_by: str, model_id: str) -> bool:
+    """Whether a distill-data header's `model_id` names the model `model_id` (what `load_model`
+    returns): the same id, an alias and its upstream id (`tokenizer_source`), or two spellings of
+    one local folder or file."""
+    from splitspec.shared.models import tokenizer_source
+
+    if made_by == model_id or tokenizer_source(made_by) == tokenizer_source(model_id):
+        return True
+    names = [name.partition("@") for name in (made_by, model_id)]
+    return (names[0][1:] == names[1][1:] and all(Path(n[0]).exists() for n in names)
+            and Path(names[0][0]).resolve() == Path(names[1][0]).resolve())
+
+
+def check_target(path: str | Path, model_id: str) -> None:
+    """Refuse a distill-data file that another model wrote: its token ids and answers are that
+    model's, so a drafter of `model_id` would learn from another tokenizer's ids or another model's text.
+
+    Raises:
+        ValueError: the header names another model, or none.
+    """
+    header = read_header(path)
+    if "model_id" not in header:
+        raise ValueError(f"{path}: its header does not say which model wrote it; make it again with "
+                         f"`splitspec distill-data`")
+    if not same_model(header["model_id"], model_id):
+        raise ValueError(f"{path} holds the answers of {header['model_id']} (distill-data --target "
+                         f"{header.get('target', '?')}), not of this run's target {model_id}")
 
 
 def check_heldout(path: str | Path, heldout: int, split_seed: int) -> None:
@@ -259,17 +334,44 @@ def check_heldout(path: str | Path, heldout: int, split_seed: int) -> None:
                          f"--heldout <= {header['heldout']}")
 
 
-def load_distilled(path: str | Path, max_len: int, records: slice = slice(None)) -> list[Example]:
+def load_distilled(path: str | Path, max_len: int, records: slice = slice(None),
+                   vocab_size: int | None = None) -> list[Example]:
     """Examples (prompt + answer ids, loss on the answer) from the `records` of a distill-data
-    file (or a compressed copy, `open_data`); the prompt, multi-turn history included, carries no loss."""
+    file (or a compressed copy, `open_data`); the prompt, multi-turn history included, carries no loss.
+    A torn last line (no newline: what a killed `distill-data` leaves) is skipped with a warning.
+
+    Raises:
+        ValueError: the file cannot be read, or a record (named by file and line) is no JSON object
+            with lists of token ids `prompt_ids` and `answer_ids` (ids in [0, `vocab_size`) where given).
+    """
+    text = _read_text(path)
+    lines = text.splitlines()
+    if len(lines) > 1 and not text.endswith("\n") and not _parses(lines[-1]):
+        log.warning("%s line %d: a torn last line (no newline), skipped", path, len(lines))
+        lines.pop()
+    bound = vocab_size or math.inf
     examples = []
-    with open_data(path) as f:
-        text = f.read()
-    for line in text.splitlines()[1:][records]:
-        record = json.loads(line)
-        prompt, answer = record["prompt_ids"], record["answer_ids"]
-        ids = (prompt + answer)[:max_len]
+    numbers = range(2, len(lines) + 1)[records]  # file line numbers, the header being line 1
+    for number, line in zip(numbers, lines[1:][records]):
+        try:
+            record = json.loads(line)
+            prompt, answer = record["prompt_ids"], record["answer_ids"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise ValueError(f"{path} line {number}: not a distill-data record ({err!r})") from None
+        ids = prompt + answer if isinstance(prompt, list) and isinstance(answer, list) else None
+        if ids is None or not all(type(t) is int and 0 <= t < bound for t in ids):
+            raise ValueError(f"{path} line {number}: prompt_ids and answer_ids must be lists of token ids"
+                             + (f" in [0, {vocab_size}) (the target's vocabulary)" if vocab_size else ""))
         mask = ([0] * len(prompt) + [1] * len(answer))[:max_len]
+        ids = ids[:max_len]
         if sum(mask) and len(ids) >= 8:
             examples.append(Example(ids, mask))
     return examples
+
+
+def _parses(line: str) -> bool:
+    try:
+        json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return True

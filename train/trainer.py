@@ -150,7 +150,8 @@ class TrainConfig:
     split_seed: int = 0  # which ShareGPT conversations are held out (`sharegpt_split`); apart from `seed` so
     # that runs of any seed hold out the conversations the distilled data left out (`check_heldout`)
     device: str = "cpu"
-    resume: bool = False
+    resume: bool = False  # continue the run in `out`; refused where its recipe (RESUME_KEYS) changed
+    overwrite: bool = False  # start afresh in an `out` that holds a run's checkpoints (refused otherwise)
     data: str = "sharegpt"  # sharegpt | distill-data JSONL files, comma-separated
     init: str = ""  # trained weights: a checkpoint folder or one of <drafter name>/ folders, plus NAME=PATH entries
     skip_tokens: int = 0  # skip this many tokens of the shuffled data first (data an --init run already saw)
@@ -171,6 +172,11 @@ class TrainConfig:
             raise ValueError(f"compile must be on, off or auto, got {self.compile!r}")
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
+        if min(self.batch, self.epochs, self.max_tokens) < 1:
+            raise ValueError(f"batch, epochs and max_tokens must be >= 1, got {self.batch}, {self.epochs} and "
+                             f"{self.max_tokens}")
+        if self.heldout < 0 or self.eval_prompts < 0:
+            raise ValueError(f"heldout and eval_prompts must be >= 0, got {self.heldout} and {self.eval_prompts}")
         if self.profile_steps < 0:
             raise ValueError(f"profile_steps must be >= 0, got {self.profile_steps}")
         if self.dtype not in ("bfloat16", "float32"):
@@ -203,7 +209,8 @@ def load_examples(cfg: TrainConfig, tokenizer) -> tuple[list[Example], list[list
 
     Raises:
         ValueError: a distill-data file that may hold answers to this run's held-out conversations
-            (`check_heldout`).
+            (`check_heldout`), or a record that is not one (`load_distilled`, ids outside the
+            tokenizer's vocabulary included).
     """
     train_convs, held = sharegpt_split(cfg.heldout, cfg.split_seed, cfg.conversations)
     rng = random.Random(cfg.seed)
@@ -213,7 +220,9 @@ def load_examples(cfg: TrainConfig, tokenizer) -> tuple[list[Example], list[list
         entries = [parse_data_entry(entry) for entry in cfg.data.split(",")]
         for path in dict.fromkeys(path for path, _ in entries):
             check_heldout(path, cfg.heldout, cfg.split_seed)
-        candidates = [ex for path, records in entries for ex in load_distilled(path, cfg.max_len, records)]
+        vocab_size = len(tokenizer) if tokenizer is not None else None  # tests without a tokenizer: unchecked
+        candidates = [ex for path, records in entries
+                      for ex in load_distilled(path, cfg.max_len, records, vocab_size)]
         rng.shuffle(candidates)
     else:
         rng.shuffle(train_convs)
@@ -460,14 +469,19 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
     gains `against` (theirs) and `paired` (`paired_heldout`: this one's figures minus theirs).
 
     Raises:
-        ValueError: bad drafter list, no usable training data, or `eval_only` for a drafter that
-            `init` (or `against`) gives no checkpoint.
+        ValueError: bad drafter list, no usable training data (`load_examples`, or a distill-data
+            file another model wrote: `check_target`), `eval_only` for a drafter that `init` (or
+            `against`) gives no checkpoint or with no held-out conversations, or a run folder that
+            `_saved_run` refuses (a resume of nothing or of another recipe, an overwrite not asked for).
         CheckpointTooLarge: a drafter over the checkpoint size limit (before any training).
     """
     from tqdm import tqdm
 
     from splitspec.shared.models import load_model
 
+    if cfg.eval_only and not cfg.heldout:
+        raise ValueError("--eval-only measures the held-out split: --heldout must be >= 1")
+    saved = None if cfg.eval_only else _saved_run(cfg)
     _preload()
     torch.manual_seed(cfg.seed)
     # held-out figures are measured as at run time: the fp32 target on the CPU
@@ -492,6 +506,11 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
     if cfg.eval_only:  # no training examples to build (or cache)
         held = sharegpt_split(cfg.heldout, cfg.split_seed, cfg.conversations)[1]
     else:
+        if cfg.conversations is None and cfg.data != "sharegpt":
+            from .distill import check_target, parse_data_entry
+
+            for path in dict.fromkeys(parse_data_entry(entry)[0] for entry in cfg.data.split(",")):
+                check_target(path, model_id)
         examples, held = cached_examples(cfg, tokenizer)
         if not examples:
             raise ValueError("no training examples (empty data or every conversation too short)")
@@ -518,8 +537,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
     total_steps = steps_per_epoch * cfg.epochs
     state = {"step": 0, "tokens": 0, "elapsed_s": 0.0, "train_vocab": 0 if vocab is None else len(vocab)}
     cfg.out.mkdir(parents=True, exist_ok=True)
-    if cfg.resume and (cfg.out / STATE).exists():
-        saved = torch.load(cfg.out / STATE, weights_only=False)
+    if saved is not None:
         state = saved["state"]
         for t in trainees:
             t.load(saved["trainees"][t.job.name])
@@ -757,7 +775,12 @@ def host_metrics(metrics: dict[str, dict]) -> dict[str, dict]:
 def evaluate(cfg: TrainConfig, drafter, parts, target_model, tokenizer, held, held_examples,
              job: DrafterJob | None = None) -> dict:
     """Held-out loss and top-1 agreement (full vocabulary, fp32, fully causal SA), MoA's memory
-    gain, and the tau of greedy speculative decoding on held-out prompts."""
+    gain, and the tau of greedy speculative decoding on held-out prompts.
+
+    `heldout` counts the held-out conversations, `heldout_scored` those of them loss, top-1 and
+    memory gain pool over (`held_examples`: the ones with an assistant token within
+    HELDOUT_MAX_LEN tokens of a prefix-stable rendering); with none (`--heldout 0`) those
+    figures, like tau without prompts, are NaN."""
     job = job or cfg.jobs()[0]
     drafter.eval()
     probe = Trainee(job, drafter, parts, parts, None, random.Random(1234), torch.Generator().manual_seed(1234),
@@ -779,12 +802,14 @@ def evaluate(cfg: TrainConfig, drafter, parts, target_model, tokenizer, held, he
     tau, interval = accept_length(answers), accept_length_interval(answers)
     drafter.train()
     rows, top1, losses = (sum(c[k] for c in per_conversation) for k in range(3))
-    record = {"heldout": len(held), "heldout_loss": losses / max(1, rows), "heldout_top1": top1 / max(1, rows),
+    per_row = (lambda total: total / rows) if rows else (lambda total: math.nan)  # nothing held out: no figure
+    record = {"heldout": len(held), "heldout_scored": len(held_examples),
+              "heldout_loss": per_row(losses), "heldout_top1": per_row(top1),
               "tau": tau, "tau_ci95": list(interval), "tau_prompts": min(cfg.eval_prompts, len(held)),
               "tau_answers": [[a.new_tokens, a.target_calls] for a in answers],
               "per_conversation": [[int(n), int(hits), loss] for n, hits, loss in per_conversation]}
     if job.kind == "moa":
-        record["memory_gain"] = (top1 - shuffled) / max(1, rows)
+        record["memory_gain"] = per_row(top1 - shuffled)
     return record
 
 
@@ -909,14 +934,11 @@ def model_card(cfg: TrainConfig, t: Trainee, identity: TargetIdentity, state: di
         + " + SmoothL1 on predicted activations"
         + (f" (final and layer L-{job.tli} states{', the latter per-dimension scaled' if cfg.tli_norm else ''})"
            if job.kind == "moa" and job.tli else "") + moa_notes,
+        *([f"- resumed with changed settings: {'; '.join(state['resumed_changes'])}"]
+          if state.get("resumed_changes") else []),
         f"- hardware: {hardware}, {cfg.dtype} matmuls; {state['elapsed_s'] / 60:.1f} min for the run "
         f"(drafters trained together: {drafters})",
-        f"- held-out ({record.get('heldout', cfg.heldout)} conversations, split seed {cfg.split_seed}): loss "
-        f"{record['heldout_loss']:.4f}, top-1 agreement "
-        f"{record['heldout_top1']:.3f}{gain}; greedy single-device accept length tau {record['tau']:.2f}"
-        f"{_interval_text(record)} (EAGLE-2 tree depth {EVAL_TREE.depth}, top-{EVAL_TREE.top_b}, {EVAL_TREE.max_nodes} nodes"
-        + (f", draft vocabulary {state['train_vocab']}" if state.get("train_vocab") else "")
-        + f"; {record.get('tau_prompts', cfg.eval_prompts)} prompts x {cfg.eval_new_tokens} tokens)", "",
+        _heldout_text(cfg, record, gain, state), "",
         f"Reproduce: `splitspec train --drafter {drafters} --target {cfg.target} --data {cfg.data} "
         f"--max-tokens {cfg.max_tokens} --epochs {cfg.epochs} --max-len {cfg.max_len} --batch {cfg.batch} "
         + (f"--micro-batch {cfg.micro_batch} " if cfg.micro_batch else "") +
@@ -930,6 +952,23 @@ def model_card(cfg: TrainConfig, t: Trainee, identity: TargetIdentity, state: di
         + (f" --device {cfg.device}" if cfg.device != "cpu" else "")
         + (f" --max-minutes {cfg.max_minutes:g}" if cfg.max_minutes else "")  # where the clock stopped the run
         + (" --time-schedule" if cfg.time_schedule else "") + " --out DIR`", ""])
+
+
+def _heldout_text(cfg: TrainConfig, record: dict, gain: str, state: dict) -> str:
+    """The card's held-out line: what the figures pool over, or that nothing was held out."""
+    held, scored = record.get("heldout", cfg.heldout), record.get("heldout_scored", record.get("heldout", cfg.heldout))
+    if not scored:
+        return (f"- held-out: none ({held} conversations held out, none scored: --heldout {cfg.heldout}); "
+                f"no held-out loss, top-1 agreement or tau")
+    cover = (f"{held} conversations" if scored == held else
+             f"{held} conversations, loss and top-1 over the {scored} with an assistant turn within "
+             f"{HELDOUT_MAX_LEN} tokens")
+    return (f"- held-out ({cover}, split seed {cfg.split_seed}): loss {record['heldout_loss']:.4f}, top-1 agreement "
+            f"{record['heldout_top1']:.3f}{gain}; greedy single-device accept length tau {record['tau']:.2f}"
+            f"{_interval_text(record)} (EAGLE-2 tree depth {EVAL_TREE.depth}, top-{EVAL_TREE.top_b}, "
+            f"{EVAL_TREE.max_nodes} nodes"
+            + (f", draft vocabulary {state['train_vocab']}" if state.get("train_vocab") else "")
+            + f"; {record.get('tau_prompts', cfg.eval_prompts)} prompts x {cfg.eval_new_tokens} tokens)")
 
 
 def _save_checkpoint(cfg: TrainConfig, t: Trainee, identity: TargetIdentity, state: dict, record: dict) -> None:
@@ -952,7 +991,64 @@ def _save_checkpoint(cfg: TrainConfig, t: Trainee, identity: TargetIdentity, sta
             shutil.copyfile(t.out / name, best / name)
 
 
+# what a resumed run must share with the saved one to continue it exactly (the data, its order and
+# budget, the schedule, the losses); device, dtype, compile, micro_batch, max_minutes and the
+# evaluation settings may change (another machine, another time budget)
+RESUME_KEYS = ("target", "data", "max_tokens", "skip_tokens", "max_len", "batch", "lr", "warmup_steps",
+               "seed", "split_seed", "heldout", "chunk_min", "chunk_max", "staircase", "tli_norm", "kl_weight",
+               "train_vocab", "init", "time_schedule")
+# what a resumed run may change, with a warning and a line in its cards: more epochs extend a run
+# (the lr schedule's length changes from the resumed step on)
+RESUME_NOTED = ("epochs",)
+
+
+def _recipe(cfg: TrainConfig) -> dict:
+    return {"drafters": [j.spec for j in cfg.jobs()], **{k: getattr(cfg, k) for k in RESUME_KEYS + RESUME_NOTED}}
+
+
+def _saved_run(cfg: TrainConfig) -> dict | None:
+    """The state `cfg.resume` continues from (None for a new run), after checking the run folder.
+
+    A change of `RESUME_NOTED` settings is logged and kept in the state (`resumed_changes`, which
+    the cards list).
+
+    Raises:
+        ValueError: `resume` where `cfg.out` holds no saved state, or a state of other drafters or
+            another recipe (`RESUME_KEYS`, each change named); a new run (neither `resume` nor
+            `overwrite`) in a folder that holds a run's state or checkpoints.
+    """
+    path = cfg.out / STATE
+    if not cfg.resume:
+        if not cfg.overwrite and (path.exists() or any((cfg.out_dir(j) / "drafter.json").exists()
+                                                       for j in cfg.jobs())):
+            raise ValueError(f"{cfg.out} holds a training run: --resume continues it, --overwrite starts afresh "
+                             f"over its checkpoints, or give another --out")
+        return None
+    if not path.exists():
+        raise ValueError(f"--resume: {cfg.out} holds no saved run ({STATE}; it is written at each evaluation): "
+                         f"nothing to continue, leave --resume out to start one")
+    saved = torch.load(path, weights_only=False)
+    names = [j.name for j in cfg.jobs()]
+    if sorted(saved["trainees"]) != sorted(names):
+        raise ValueError(f"--resume: {cfg.out} holds a run of {', '.join(saved['trainees'])}, not of "
+                         f"{', '.join(names)}; give its --drafter list")
+    recipe, now = saved.get("recipe"), _recipe(cfg)
+    if recipe is None:
+        log.warning("%s was saved before runs recorded their settings: a changed one goes unnoticed", path)
+        return saved
+    changed = [f"{k} {recipe[k]} -> {now[k]}" for k in RESUME_KEYS if k in recipe and recipe[k] != now[k]]
+    if changed:
+        raise ValueError(f"--resume continues {cfg.out} exactly, but its settings changed ({'; '.join(changed)}): "
+                         f"give the saved ones, or start another --out (with --init to keep the weights)")
+    noted = [f"{k} {recipe[k]} -> {now[k]} at step {saved['state']['step']}" for k in RESUME_NOTED
+             if k in recipe and recipe[k] != now[k]]
+    if noted:
+        log.warning("resuming %s with changed settings: %s", cfg.out, "; ".join(noted))
+        saved["state"]["resumed_changes"] = saved["state"].get("resumed_changes", []) + noted
+    return saved
+
+
 def _save_state(cfg: TrainConfig, state: dict, trainees: list[Trainee]) -> None:
     tmp = cfg.out / (STATE + ".tmp")
-    torch.save({"state": state, "trainees": {t.job.name: t.state() for t in trainees}}, tmp)
+    torch.save({"state": state, "trainees": {t.job.name: t.state() for t in trainees}, "recipe": _recipe(cfg)}, tmp)
     tmp.replace(cfg.out / STATE)
