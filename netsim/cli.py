@@ -32,8 +32,6 @@ import socket
 import sys
 from pathlib import Path
 
-from splitspec.shared.config import port_number
-
 from .backends import BACKENDS, RelayBackend, choose_backend, make_link, probe_backends, wait_for_port
 from .profiles import LinkProfile, load_profile
 from .schedule import CutSchedule, ScheduledCuts
@@ -55,7 +53,7 @@ def add_netsim_parser(sub) -> None:
 
     q = netsim.add_parser("run", help="run a server command behind an emulated link")
     _add_link_args(q)
-    q.add_argument("--port", type=port_number, default=50051, help="the port clients connect to")
+    q.add_argument("--port", type=_port, default=50051, help="the port clients connect to")
     q.add_argument("--cut", default=None, metavar="AT:DURATION,...",
                    help="cut the link on a schedule from when the server listens, e.g. 50s:10s,2m:5s")
     q.add_argument("--client", default=None, metavar="CMD",
@@ -96,6 +94,19 @@ def _count(least: int):
         return n
 
     return parse
+
+
+def _port(text: str) -> int:
+    """argparse type of a TCP port, 0..65535 (0: any free one); netsim imports no other room, so
+    this is its own copy of shared/config.py `port_number`.
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, or outside 0..65535.
+    """
+    port = _count(0)(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"{port} must lie in 0..65535")
+    return port
 
 
 def _bulk_mb(text: str) -> float:
