@@ -337,9 +337,11 @@ def test_netsim_cli_checks_numbers_before_building_links(argv, message, capsys, 
 def test_netsim_validate_stops_promptly_on_a_signal(signum):
     """Ctrl-C or SIGTERM during the echo probes (about 25 s of them here) ends `validate` within a
     few seconds: the probes stop after their round trip in progress, then the links are removed."""
+    # a child started in the background (a script's `&`, as CI may run) inherits SIGINT ignored: set it default
     proc = subprocess.Popen([sys.executable, "-m", "splitspec.netsim.cli", "validate", "--profile", "4g",
                              "--backends", "relay", "--samples", "500", "--bulk-mb", "0", "--grpc", "0"],
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert "echo round trips" in proc.stderr.readline()
         time.sleep(1.0)
