@@ -38,10 +38,12 @@ def _tree(truth: list[int], rng: random.Random, vocab: int) -> DraftTree:
     return DraftTree(tuple(tokens), tuple(parents))
 
 
-def _run(runner: TargetRunner, batched: bool, refs, steps: int = 6, seed: int = 0):
-    """Open a session per prompt and verify `steps` steps; returns every step's outputs."""
+def _run(runner: TargetRunner, batched: bool, refs, steps: int = 6, seed: int = 0, sampling=None):
+    """Open a session per prompt and verify `steps` steps; returns every step's outputs.
+    `sampling`: each session's SamplingParams (default greedy)."""
     rng = random.Random(seed)
-    sessions = [runner.open(p, SamplingParams(), FEATURES)[0] for p in PROMPTS]
+    sampling = sampling or [SamplingParams()] * len(PROMPTS)
+    sessions = [runner.open(p, s, FEATURES)[0] for p, s in zip(PROMPTS, sampling)]
     lengths = [len(p) for p in PROMPTS]
     outputs = []
     for step in range(steps):
@@ -79,6 +81,28 @@ def check_batched_equals_alone(model, family: str, ragged: bool, tokenizer) -> N
     runner.ragged = ragged
     batched, batched_sessions = _run(runner, True, refs)
     assert_same_steps(family, alone, alone_sessions, batched, batched_sessions, refs)
+
+
+@pytest.mark.parametrize("ragged", [True, False], ids=["ragged", "padded"])
+def test_sampled_sessions_batched_draw_as_each_alone(ragged, stories):
+    """Sessions with their own temperature, top-p and seed (one greedy among them) verified in one
+    forward draw what each draws alone: acceptance and bonus tokens come from each session's own
+    row, warping and random stream, never a neighbour's. (The trees carry no draft rows: one-hot
+    proposals, lossless for any tree.)"""
+    family = "llama-mqa-tied"
+    model = _model(family)
+    refs = [reference_greedy(model, p, 40) for p in PROMPTS]  # the trees' guesses: right often enough
+    sampling = [SamplingParams(temperature=0.8, top_p=0.9, seed=1), SamplingParams(),
+                SamplingParams(temperature=1.3, seed=2), SamplingParams(temperature=0.5, top_k=20, seed=3)]
+    alone, _ = _run(TargetRunner(model, stories[1], family), False, refs, sampling=sampling)
+    runner = TargetRunner(model, stories[1], family)
+    runner.ragged = ragged
+    batched, _ = _run(runner, True, refs, sampling=sampling)
+    streams = [[t for out in outs for t in (*out.accepted_tokens, out.accept.bonus_token)] for outs in zip(*alone)]
+    assert streams == [[t for out in outs for t in (*out.accepted_tokens, out.accept.bonus_token)]
+                       for outs in zip(*batched)]
+    assert streams[1] == refs[1][1: 1 + len(streams[1])]  # the greedy one is the target's own
+    assert any(s != r[1: 1 + len(s)] for s, r in zip(streams, refs))  # and the sampled ones did sample
 
 
 def assert_same_steps(family: str, a_steps, a_sessions, b_steps, b_sessions, refs) -> None:
