@@ -981,14 +981,23 @@ def _save_checkpoint(cfg: TrainConfig, t: Trainee, identity: TargetIdentity, sta
             "elapsed_s": round(state["elapsed_s"], 1), "device": cfg.device, "torch": torch.__version__,
             "last_eval": record}
     save_checkpoint(t.out, t.job.kind, t.drafter, identity, info)
-    (t.out / "card.md").write_text(model_card(cfg, t, identity, state, record))
-    (t.out / "history.jsonl").write_text("".join(json.dumps(r) + "\n" for r in t.history))
+    _write_atomic(t.out / "card.md", model_card(cfg, t, identity, state, record))
+    _write_atomic(t.out / "history.jsonl", "".join(json.dumps(r) + "\n" for r in t.history))
     if record["tau"] == record["tau"] and record["tau"] > t.best_tau:
         t.best_tau = record["tau"]
         best = t.out / BEST
         best.mkdir(exist_ok=True)
-        for name in ("model.safetensors", "drafter.json", "card.md"):
-            shutil.copyfile(t.out / name, best / name)
+        for name in ("model.safetensors", "drafter.json", "card.md"):  # an interrupted copy leaves whole files
+            shutil.copyfile(t.out / name, best / (name + ".tmp"))
+            (best / (name + ".tmp")).replace(best / name)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file and a rename: a run stopped mid-write
+    leaves the old file or the new one, never half of one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 # what a resumed run must share with the saved one to continue it exactly (the data, its order and
