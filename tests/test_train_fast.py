@@ -304,7 +304,7 @@ def test_kl_weight_reaches_the_training_step(stories_path, tmp_path):
     assert "--kl-weight" not in (tmp_path / "a" / "card.md").read_text()
 
 
-def test_eval_only_measures_the_init_checkpoints_and_writes_nothing(stories_path, tmp_path):
+def test_eval_only_measures_the_init_checkpoints_and_writes_nothing(stories_path, tmp_path, monkeypatch):
     """--eval-only gives each --init checkpoint the held-out figures its run ended with (within the
     bf16 rounding of the stored weights), trains nothing and writes nothing, and says how many
     prompts its tau used; a drafter without a checkpoint is refused. With --against it measures a
@@ -360,9 +360,14 @@ def test_eval_only_measures_the_init_checkpoints_and_writes_nothing(stories_path
     assert all(r["paired"] == {"tau_difference": 0.0, "tau_difference_ci95": [0.0, 0.0], "top1_difference": 0.0,
                                "loss_difference": 0.0, "top1_difference_ci95": [0.0, 0.0],
                                "loss_difference_ci95": [0.0, 0.0]} for r in same.values())
-    with pytest.raises(ValueError, match="no checkpoint to compare with"):
+    import splitspec.train.trainer as trainer
+
+    evaluated = []
+    monkeypatch.setattr(trainer, "evaluate", lambda *a, **k: evaluated.append(1) or {})
+    with pytest.raises(ValueError, match="no checkpoint to compare with"):  # before any evaluation is spent
         train(_small(stories_path, tmp_path / "x", init=str(tmp_path / "run"), eval_only=True,
                      against=str(tmp_path / "empty")), progress=False)
+    assert not evaluated
     with pytest.raises(ValueError, match="needs eval_only"):
         _small(stories_path, tmp_path / "x", against=str(tmp_path / "run"))
 

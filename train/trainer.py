@@ -516,16 +516,20 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
             raise ValueError("no training examples (empty data or every conversation too short)")
     held_examples = [e for e in (tokenize_conversation(tokenizer, c, HELDOUT_MAX_LEN) for c in held) if e]
     if cfg.eval_only:
+        bases = {}  # the checkpoints to compare with, found before minutes of evaluation are spent
+        if cfg.against:
+            base_cfg = replace(cfg, init=cfg.against)
+            for t in trainees:
+                bases[t.job.name] = _init_drafter(base_cfg, t.job, eval_model.config, identity)
+                if not bases[t.job.name][1]:
+                    raise ValueError(f"--against: {cfg.against} gives {t.job.name} no checkpoint to compare with")
         records = {t.job.name: {"init": t.init_from, "tokens_total": t.init_tokens,
                                 **evaluate(cfg, _on_cpu(t.drafter, cfg), t.eval_parts, eval_model, tokenizer, held,
                                            held_examples, t.job)}
                    for t in trainees}
         if cfg.against:
-            base_cfg = replace(cfg, init=cfg.against)
             for t in trainees:
-                drafter, base_from, base_tokens, _ = _init_drafter(base_cfg, t.job, eval_model.config, identity)
-                if not base_from:
-                    raise ValueError(f"--against: {cfg.against} gives {t.job.name} no checkpoint to compare with")
+                drafter, base_from, base_tokens, _ = bases[t.job.name]
                 base = {"init": base_from, "tokens_total": base_tokens,
                         **evaluate(cfg, _on_cpu(drafter, cfg), t.eval_parts, eval_model, tokenizer, held,
                                    held_examples, t.job)}
