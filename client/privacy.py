@@ -182,9 +182,11 @@ def private_answer_spans(tokenizer, tokens: Sequence[int], sources: Sequence[str
     """
     if len(tokens) != len(sources):
         raise ValueError(f"{len(sources)} sources for {len(tokens)} tokens")
+    if "private" not in sources:  # the common case: nothing to decode
+        return []
     full = tokenizer.decode(list(tokens), skip_special_tokens=True)
     text = full if text is None else text
-    if "private" not in sources or not text:
+    if not text:
         return []
     if not full.startswith(text):
         return [(0, len(text))]

@@ -21,7 +21,7 @@ from splitspec.shared.sampling import SamplingParams
 from ..build import ClientSetup
 from ..history import ChatHistory
 from ..loop import Generation
-from ..privacy import PrivacyGuard, encode_private_chat, placeholder_token, private_answer_spans, tag_private_answer
+from ..privacy import PrivacyGuard, encode_private_chat, placeholder_token, private_answer_spans, with_private_tags
 from .schema import ApiError, Completion
 from .text import AnswerText
 
@@ -240,13 +240,14 @@ class Engine:
                                               privacy=job.privacy,
                                               should_stop=lambda: text.stopped, cancelled=job.cancelled.is_set)
         finally:
+            # what the client wrote from private spans, in the answer's text: stored tagged, and sent
+            spans = None if gen is None else private_answer_spans(self.tokenizer, gen.tokens, gen.sources, text.text)
             if message is not None:  # what was written stays, also when the answer was cut short (complete = 0)
-                if gen is not None:
-                    tokens, sources = gen.tokens, gen.sources
-                else:
+                if spans is None:  # the answer failed: what its committed token rows say
                     rows = self.history.tokens(message)
-                    tokens, sources = [t for t, _ in rows], [s for _, s in rows]
-                self.history.finish(message, tag_private_answer(self.tokenizer, tokens, sources, text.text),
+                    spans = private_answer_spans(self.tokenizer, [t for t, _ in rows], [s for _, s in rows],
+                                                 text.text)
+                self.history.finish(message, with_private_tags(text.text, spans),
                                     complete=gen is not None and not job.cancelled.is_set())
         if job.cancelled.is_set():
             return "cancelled"
@@ -255,8 +256,7 @@ class Engine:
         reason = "stop" if text.stopped or gen.stopped_by_eos else "length"
         private = sum(job.privacy.mask) if job.privacy else 0
         tokens = self._tokens_before(text.ids, len(text.text)) if text.stopped else gen.stats.new_tokens
-        spans = tuple(private_answer_spans(self.tokenizer, gen.tokens, gen.sources, text.text))
-        job.sink(Finished(text.text, reason, gen, len(job.prompt_ids), private, text.retracted, tokens, spans))
+        job.sink(Finished(text.text, reason, gen, len(job.prompt_ids), private, text.retracted, tokens, tuple(spans)))
         return "completed"
 
     def _tokens_before(self, ids: list[int], chars: int) -> int:
