@@ -250,7 +250,7 @@ class _Run:
         self.stats.elapsed_s = time.perf_counter() - start
         self.stats.offline_tokens, self.stats.private_tokens = answer.written[OFFLINE], answer.written[PRIVATE]
         self.stats.retracted_tokens = answer.retracted
-        self.stats.unverified_tokens = sum(s in (OFFLINE, KEPT, PRIVATE) for s in answer.new_sources)
+        self.stats.unverified_tokens = sum(s != TARGET for s in answer.new_sources)  # offline, kept, private
         out = answer.new_tokens
         return Generation(out, self.stats, bool(out) and out[-1] in answer.eos, answer.new_sources)
 
