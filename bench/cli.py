@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from splitspec.shared.config import ServerLimits
+from splitspec.shared.config import ServerLimits, at_least
 from splitspec.shared.models import DEFAULT_TARGET
 
 DEFAULT_METHODS = "none,ngram,draft-model:smollm2-135m@layers=8,eagle2,moa,moa:tli=1,falcon,tokenswift,swift"
@@ -75,7 +75,7 @@ def _add_serve_bench_parser(sub) -> None:
                         "--batching padded (the copy-into-padded-rows way, for comparison); N:graphs with --cuda-graphs "
                         "(--device cuda)")
     p.add_argument("--drafter", default="ngram", help="each client's drafter (cheap ones leave the CPU to the server)")
-    p.add_argument("--seconds", type=_positive, default=20.0, help="measured time per (max batch, clients) point")
+    p.add_argument("--seconds", type=at_least(0, strict=True), default=20.0, help="measured time per (max batch, clients) point")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--limit", type=int, default=2, help="Spec-Bench prompts per category the clients cycle through")
     p.add_argument("--spec-bench", default=None, help="path to Spec-Bench question.jsonl")
@@ -86,7 +86,7 @@ def _add_serve_bench_parser(sub) -> None:
     p.add_argument("--batch-window-ms", type=_windows, default=[ServerLimits().batch_window_ms],
                    help="server --batch-window-ms values compared for every --max-batch above 1, comma-separated "
                         "(default: the service's)")
-    p.add_argument("--client-processes", type=_at_least_one, default=1, metavar="P",
+    p.add_argument("--client-processes", type=at_least(1, int), default=1, metavar="P",
                    help="spread each point's clients over up to P processes (default 1: threads of this one; "
                         "on a GPU server with spare cores one process's interpreter lock can cap the clients)")
     p.add_argument("--out", default=None, help="also write the table to this file")
@@ -175,32 +175,10 @@ def _windows(text: str) -> list[float]:
     return windows
 
 
-def _positive(text: str) -> float:
-    """An argparse type: a number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-    return value
-
-
 def cmd_offline_eval(args) -> None:
     from .offline_eval import cmd_offline_eval as run
 
     run(args)
-
-
-def _at_least_one(text: str) -> int:
-    """An argparse type: a whole number >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
-    return value
 
 
 def _add_bench_parser(sub) -> None:

@@ -14,7 +14,7 @@ from functools import partial
 
 import grpc
 
-from splitspec.shared.config import TreeConfig
+from splitspec.shared.config import TreeConfig, at_least
 from splitspec.shared.drafters.spec import DEFAULT_DRAFT_VOCAB, DEFAULT_LOOKUP, QUANTIZATIONS, DrafterSpec
 from splitspec.shared.models import DEFAULT_TARGET, chat_sampling_defaults
 from splitspec.shared.sampling import SamplingParams
@@ -55,17 +55,6 @@ def server_address(value: str) -> str:
     return value.strip()
 
 
-def _at_least(low: float, kind=float, strict: bool = False):
-    """argparse type: a number >= `low` (> `low` when `strict`)."""
-    def parse(value: str):
-        number = kind(value)
-        if not (number > low if strict else number >= low) or number != number:
-            raise argparse.ArgumentTypeError(f"{value}: must be {'>' if strict else '>='} {low:g}")
-        return number
-    parse.__name__ = kind.__name__  # argparse names the type in its "invalid value" message
-    return parse
-
-
 def add_client_args(p: argparse.ArgumentParser, chat: bool = False) -> None:
     """The flags generate, chat and up share. `chat`: sampling by default (temperature and top-p
     from the target's generation config, else 0.7 / 0.9: small models loop under greedy
@@ -96,7 +85,7 @@ def add_client_args(p: argparse.ArgumentParser, chat: bool = False) -> None:
                         f"{DEFAULT_LOOKUP} for every drafter but none and ngram; when sampling, only below the "
                         "drafter's leaves)")
     p.add_argument("--no-spec", action="store_true", help="baseline: one target call per token")
-    p.add_argument("--max-new-tokens", type=_at_least(1, int), default=256)
+    p.add_argument("--max-new-tokens", type=at_least(1, int), default=256)
     if chat:
         p.add_argument("--temperature", type=float, default=None,
                        help="0 = greedy; default: the target's generation config, else 0.7")
@@ -119,19 +108,19 @@ def add_client_args(p: argparse.ArgumentParser, chat: bool = False) -> None:
                    help="network-aware trees: pick each step's depth, top-B and nodes from the measured link, "
                         "verify and drafting times and acceptance (moa, eagle2, falcon, draft-model; client/tree_planner.py)")
     p.add_argument("--system", default=None, help="system prompt (chat template)")
-    p.add_argument("--timeout", type=_at_least(0, strict=True), default=60.0,
+    p.add_argument("--timeout", type=at_least(0, strict=True), default=60.0,
                    help="deadline of Info and OpenSession calls, s")
-    p.add_argument("--step-timeout", type=_at_least(0, strict=True), default=10.0,
+    p.add_argument("--step-timeout", type=at_least(0, strict=True), default=10.0,
                    help="deadline of each Verify step, s; missing it continues offline")
-    p.add_argument("--connect-timeout", type=_at_least(0, strict=True), default=10.0, help="wait for the server, s")
-    p.add_argument("--busy-wait", type=_at_least(0), default=60.0,
+    p.add_argument("--connect-timeout", type=at_least(0, strict=True), default=10.0, help="wait for the server, s")
+    p.add_argument("--busy-wait", type=at_least(0), default=60.0,
                    help="while the server is full (max sessions, KV budget, rate limit), retry opening a "
                         "session with backoff for this long, s (0 = fail at once)")
     p.add_argument("--on-reconnect", default="heal", choices=["heal", "keep"],
                    help="offline text the target rejects: replace it with the target's continuation, or keep it")
     p.add_argument("--no-offline", action="store_true",
                    help="fail when the server is unreachable instead of continuing with the drafter alone")
-    p.add_argument("--private-ngram", type=_at_least(1, int), default=2,
+    p.add_argument("--private-ngram", type=at_least(1, int), default=2,
                    help="withhold drafts completing this many consecutive tokens of <private> text (1 = any)")
     p.add_argument("--auth-token-file", default=None, help="bearer token file (first token; else $SPLITSPEC_AUTH_TOKEN)")
     p.add_argument("--tls-ca", default=None, help="PEM CA bundle to verify the server (enables TLS)")

@@ -133,6 +133,23 @@ def tokens_from_env(name: str = TOKEN_ENV) -> tuple[str, ...]:
     return tuple(check_token(t.strip()) for t in re.split(r"[,\n]", raw) if t.strip())
 
 
+def at_least(low: float, kind: type = float, strict: bool = False):
+    """argparse type of a number of `kind` (int or float) >= `low` (> `low` when `strict`); NaN is
+    refused. Text that is no `kind` raises ValueError, which argparse reports as "invalid float value"
+    (or int), the type's name being `kind`'s.
+
+    Raises:
+        argparse.ArgumentTypeError: the number is out of range.
+    """
+    def parse(text: str):
+        number = kind(text)
+        if not (number > low if strict else number >= low):  # NaN fails both
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low:g}, got {text}")
+        return number
+    parse.__name__ = kind.__name__
+    return parse
+
+
 def port_number(text: str) -> int:
     """argparse type of a TCP port: an integer in 0..65535 (0: any free port). gRPC would take a
     larger number modulo 65536 and listen on a port nobody asked for.

@@ -5,6 +5,7 @@ import argparse
 import json
 from pathlib import Path
 
+from splitspec.shared.config import at_least
 from splitspec.shared.models import DEFAULT_TARGET
 
 
@@ -16,31 +17,7 @@ def add_train_parsers(sub) -> None:
     add_curve_parser(sub)
 
 
-def _at_least(low: int):
-    """An argparse type: an integer >= `low`."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-    return parse
-
-
-def _nonnegative_float(text: str) -> float:
-    """An argparse type: a number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-POSITIVE, NONNEGATIVE = _at_least(1), _at_least(0)
+POSITIVE, NONNEGATIVE = at_least(1, int), at_least(0, int)
 
 
 def _chunk(text: str) -> tuple[int, int]:
@@ -216,7 +193,7 @@ def _add_distill_parser(sub) -> None:
                         "whose history fits --max-prompt-len (multi-turn prompts); middle: every other later user "
                         "turn that fits (several per conversation, none that first or later answer)")
     p.add_argument("--max-new-tokens", type=POSITIVE, default=256)
-    p.add_argument("--temperature", type=_nonnegative_float, default=0.0, help="0 = greedy (the drafters' main use)")
+    p.add_argument("--temperature", type=at_least(0), default=0.0, help="0 = greedy (the drafters' main use)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--heldout", type=NONNEGATIVE, default=16, help="held-out conversations left out (as in `train`)")
     p.add_argument("--seed", type=int, default=0,
