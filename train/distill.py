@@ -250,15 +250,16 @@ def open_data(path: str | Path):
     return opener(path, "rt") if opener else path.open()
 
 
-def _read_text(path: str | Path) -> str:
-    """The whole text of a distill-data file or of a compressed copy (`open_data`).
+def _read(path: str | Path, read=lambda f: f.read()) -> str:
+    """`read(f)` of a distill-data file or of a compressed copy opened as text (`open_data`): the
+    whole text by default.
 
     Raises:
         ValueError: it cannot be read or decoded (missing, a truncated or corrupt .gz / .xz copy).
     """
     try:
         with open_data(path) as f:
-            return f.read()
+            return read(f)
     except (OSError, EOFError, lzma.LZMAError, UnicodeDecodeError) as err:
         raise ValueError(f"{path}: cannot read it as a distill-data file ({err})") from None
 
@@ -269,11 +270,7 @@ def read_header(path: str | Path) -> dict:
     Raises:
         ValueError: the file cannot be read, or its first line is no distill-data header.
     """
-    try:
-        with open_data(path) as f:
-            line = f.readline()
-    except (OSError, EOFError, lzma.LZMAError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: cannot read it as a distill-data file ({err})") from None
+    line = _read(path, lambda f: f.readline())
     try:
         header = json.loads(line)
     except json.JSONDecodeError:
@@ -344,7 +341,7 @@ def load_distilled(path: str | Path, max_len: int, records: slice = slice(None),
         ValueError: the file cannot be read, or a record (named by file and line) is no JSON object
             with lists of token ids `prompt_ids` and `answer_ids` (ids in [0, `vocab_size`) where given).
     """
-    text = _read_text(path)
+    text = _read(path)
     lines = text.splitlines()
     if len(lines) > 1 and not text.endswith("\n") and not _parses(lines[-1]):
         log.warning("%s line %d: a torn last line (no newline), skipped", path, len(lines))
