@@ -58,7 +58,10 @@ def test_profile_infinite_rate_is_unlimited(tmp_path):
         LinkProfile("t", seed="x")
 
 
-class EchoServer:
+class LoopbackServer:
+    """Listens on a free loopback port and hands each accepted connection to `_accepted`, on a
+    thread of its own, until closed."""
+
     def __init__(self):
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -73,16 +76,24 @@ class EchoServer:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
-            threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
+            self._accepted(conn)
+
+    def _accepted(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+    def close(self):
+        self.sock.close()
+
+
+class EchoServer(LoopbackServer):
+    def _accepted(self, conn):
+        threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
 
     @staticmethod
     def _echo(conn):
         with conn:
             while data := conn.recv(65536):
                 conn.sendall(data)
-
-    def close(self):
-        self.sock.close()
 
 
 @pytest.fixture
@@ -164,27 +175,18 @@ def test_relay_cut_and_restore(echo):
         assert s.recv(4) == b"ping"
 
 
-class SinkServer:
+class SinkServer(LoopbackServer):
     """Accepts connections and counts the bytes each one receives."""
 
     def __init__(self):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen()
-        self.port = self.sock.getsockname()[1]
         self.conns: list[socket.socket] = []
         self.received: list[int] = []
-        threading.Thread(target=self._serve, daemon=True).start()
+        super().__init__()
 
-    def _serve(self):
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.conns.append(conn)
-            self.received.append(0)
-            threading.Thread(target=self._count, args=(conn, len(self.conns) - 1), daemon=True).start()
+    def _accepted(self, conn):
+        self.conns.append(conn)
+        self.received.append(0)
+        threading.Thread(target=self._count, args=(conn, len(self.conns) - 1), daemon=True).start()
 
     def _count(self, conn, i):
         try:
