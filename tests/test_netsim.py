@@ -162,17 +162,23 @@ def test_relay_loss_stalls_like_a_retransmission(echo):
     assert rtts[-1] >= 200, rtts  # a lost chunk waits out the minimum retransmission timeout
 
 
+def _held_until(restore, s: socket.socket, expected: bytes, quiet_s: float, then_s: float = 10.0) -> None:
+    """Nothing reaches `s` for `quiet_s` while the link is down; once `restore()` brought it back,
+    `expected` (b"": the end of the stream) arrives within `then_s`."""
+    s.settimeout(quiet_s)
+    with pytest.raises(socket.timeout):
+        s.recv(4)
+    restore()
+    s.settimeout(then_s)
+    assert s.recv(4) == expected
+
+
 def test_relay_cut_and_restore(echo):
     with RelayThread(LinkProfile("t", delay_ms=1.0), ("127.0.0.1", echo.port)) as relay, _connect(relay.port) as s:
         relay.cut()
         time.sleep(0.05)
         s.sendall(b"ping")
-        s.settimeout(0.3)
-        with pytest.raises(socket.timeout):
-            s.recv(4)
-        relay.restore()
-        s.settimeout(5)
-        assert s.recv(4) == b"ping"
+        _held_until(relay.restore, s, b"ping", quiet_s=0.3, then_s=5)
 
 
 class SinkServer(LoopbackServer):
@@ -231,12 +237,7 @@ def test_relay_offline_profile_is_a_black_hole(echo):
     switch to a profile that is not offline lets what was held cross."""
     with RelayThread(PRESETS["offline"], ("127.0.0.1", echo.port)) as relay, _connect(relay.port) as s:
         s.sendall(b"ping")
-        s.settimeout(1.0)
-        with pytest.raises(socket.timeout):
-            s.recv(4)
-        relay.set_profile(PRESETS["lan"])
-        s.settimeout(10)
-        assert s.recv(4) == b"ping"
+        _held_until(lambda: relay.set_profile(PRESETS["lan"]), s, b"ping", quiet_s=1.0)
 
 
 def test_relay_cut_holds_closes_until_restore(sink):
@@ -248,12 +249,7 @@ def test_relay_cut_holds_closes_until_restore(sink):
         relay.cut()
         time.sleep(0.05)
         _shut(sink.conns[0])
-        s.settimeout(0.5)
-        with pytest.raises(socket.timeout):
-            s.recv(4)
-        relay.restore()
-        s.settimeout(10)
-        assert s.recv(4) == b""
+        _held_until(relay.restore, s, b"", quiet_s=0.5)
 
 
 def test_relay_cut_leaves_new_connections_unanswered(sink, caplog):
@@ -270,12 +266,7 @@ def test_relay_cut_leaves_new_connections_unanswered(sink, caplog):
         sink.close()  # the server is down: the refusal also waits for the link
         relay.cut()
         with _connect(relay.port) as s:
-            s.settimeout(0.5)
-            with pytest.raises(socket.timeout):
-                s.recv(4)
-            relay.restore()
-            s.settimeout(10)
-            assert s.recv(4) == b""
+            _held_until(relay.restore, s, b"", quiet_s=0.5)
         relay.cut()
         waiting = _connect(relay.port)
         time.sleep(0.1)
