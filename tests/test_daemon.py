@@ -9,6 +9,7 @@ import json
 import math
 import shutil
 import subprocess
+import sys
 import threading
 import time
 
@@ -607,3 +608,55 @@ def test_up_refuses_a_port_outside_the_tcp_range(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["up", "--local", "--port", "70000"])
     assert exit_.value.code == 2 and "70000 must lie in 0..65535" in capsys.readouterr().err
+
+
+_SLOW_PREFILL_DAEMON = """
+import sys, time
+from splitspec.cli.main import build_parser
+from splitspec.client.daemon import cli as daemon_cli
+from splitspec.server.local import load_local_verifier
+
+def slow(target, device, dtype):  # a prefill far longer than the test waits
+    verifier, tokenizer = load_local_verifier(target, device, dtype)
+    real = verifier.runner.open
+    def open_(*args, **kwargs):
+        print("prefill started", flush=True)
+        time.sleep(300)
+        return real(*args, **kwargs)
+    verifier.runner.open = open_
+    return verifier, tokenizer
+
+args = build_parser().parse_args(["up", "--local", "--target", sys.argv[1], "--drafter", "ngram",
+                                  "--port", "0", "--history", sys.argv[2]])
+daemon_cli.cmd_up(args, local_verifier=slow)
+"""
+
+
+def test_ctrl_c_during_a_long_prefill_exits_promptly(stories_path, tmp_path):
+    """SIGINT while one model step runs (a long prompt's prefill cannot be interrupted): the
+    daemon gives it EXIT_GRACE_S, then exits 130 instead of joining the compute thread at exit."""
+    import signal
+
+    child = subprocess.Popen([sys.executable, "-c", _SLOW_PREFILL_DAEMON, str(stories_path),
+                              str(tmp_path / "chat.sqlite3")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        url = None
+        for line in child.stdout:
+            if "OpenAI base URL" in line:
+                url = line.split()[-1]
+                break
+        assert url is not None, child.stderr.read()
+        request = threading.Thread(target=lambda: httpx.post(f"{url}/chat/completions", timeout=60,
+                                                             json=_request(str(stories_path))), daemon=True)
+        request.start()
+        assert any("prefill started" in line for line in child.stdout)
+        start = time.monotonic()
+        child.send_signal(signal.SIGINT)
+        status = child.wait(timeout=60)
+        elapsed = time.monotonic() - start
+        assert status == 130 and elapsed < 30, (status, elapsed)
+        assert "abandoned" in child.stderr.read()
+    finally:
+        if child.poll() is None:
+            child.kill()

@@ -8,6 +8,7 @@ import argparse
 import ipaddress
 import os
 import socket
+import sys
 import threading
 from functools import partial
 
@@ -15,6 +16,7 @@ from splitspec.shared.compute import loaded_on_compute_thread
 from splitspec.shared.config import port_number
 
 DEFAULT_PORT = 8765
+EXIT_GRACE_S = 3.0  # after the server stops, the running answer's step gets this long to end
 
 
 def add_daemon_parser(sub, local_verifier=None) -> None:
@@ -59,11 +61,11 @@ def cmd_up(args, local_verifier=None) -> None:
     # built on the thread that will write every answer: one OpenMP pool (shared/compute.py)
     worker, setup = loaded_on_compute_thread("splitspec-answer", build_client, config, local_verifier)
     history = ChatHistory(args.history or default_path())
-    server = DaemonServer(daemon_app(setup, setup.target, api_key=api_key, max_queue=args.max_queue,
-                                     max_new_tokens=args.max_new_tokens, private_ngram=args.private_ngram,
-                                     max_request_bytes=args.max_request_bytes, system=args.system, history=history,
-                                     worker=worker, seed=args.seed, host=args.host),
-                          args.host, args.port)
+    app = daemon_app(setup, setup.target, api_key=api_key, max_queue=args.max_queue,
+                     max_new_tokens=args.max_new_tokens, private_ngram=args.private_ngram,
+                     max_request_bytes=args.max_request_bytes, system=args.system, history=history,
+                     worker=worker, seed=args.seed, host=args.host)
+    server = DaemonServer(app, args.host, args.port)
     sampling = setup.sampling
     extra = (f" top-k {sampling.top_k}" if sampling.top_k else "") + (
         f" contextual penalty {sampling.penalty:g} over {sampling.penalty_window}" if sampling.penalty != 1 else "") + (
@@ -73,10 +75,29 @@ def cmd_up(args, local_verifier=None) -> None:
           f"  chat page        {server.url}/\n"
           f"  OpenAI base URL  {server.url}/v1\n  health           {server.url}/health\n"
           f"  chat history     {history.path}", flush=True)
+    interrupted = False
     try:
         server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it stopped on
+        interrupted = True
+        raise
     finally:
-        setup.decoder.verifier.close()
+        setup.decoder.verifier.close()  # split mode: the running step's call ends now
+        _exit_unless_idle(app.state.engine, 130 if interrupted else 0)
+
+
+def _exit_unless_idle(engine, status: int, grace_s: float = EXIT_GRACE_S) -> None:
+    """Ends the process now (status `status`) when the running answer has not ended within
+    `grace_s` seconds of the server's stop: one model step (a long prompt's prefill in
+    single-device mode, ~35 s for 8K tokens on two cores) cannot be interrupted, and the
+    interpreter would otherwise wait for its thread at exit. Nothing is lost: the chat history
+    commits each token as it is written."""
+    if engine.wait_idle(grace_s):
+        return
+    print(f"splitspec up: stopped; the running answer's model step did not end within {grace_s:g} s "
+          "and is abandoned", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(status)
 
 
 def daemon_app(setup, target: str, *, api_key: str | None = None, max_queue: int = 8, max_new_tokens: int = 256,

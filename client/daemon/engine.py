@@ -115,6 +115,8 @@ class Engine:
         self.info = setup.decoder.verifier.info
         self._worker = worker if worker is not None else compute_thread("splitspec-answer")
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when the running answer ends
+        self.running = 0  # 0 or 1: an answer the worker took and has not finished
         self.pending = 0  # running + waiting
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "refused": 0}
 
@@ -189,6 +191,12 @@ class Engine:
         """Stop taking work; the running answer ends at its next token."""
         self._worker.shutdown(wait=False, cancel_futures=True)
 
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Whether no answer is running, waiting up to `timeout_s` seconds for the running one to
+        end. One step (a long prompt's prefill: tens of seconds on a CPU) cannot be interrupted."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self.running == 0, timeout_s)
+
     # --- the worker ---------------------------------------------------------------------------
 
     def _cancelled(self, job: Job) -> None:
@@ -209,6 +217,7 @@ class Engine:
             if job.left:  # cancelled while waiting, and counted then
                 return
             job.started = True
+            self.running += 1
         outcome = "cancelled"
         try:
             if not job.cancelled.is_set():
@@ -223,6 +232,8 @@ class Engine:
         finally:
             with self._lock:
                 self._leave(job, outcome)
+                self.running -= 1
+                self._idle.notify_all()
 
     def _answer(self, job: Job, sampling: SamplingParams, max_new: int) -> str:
         text = AnswerText(self.tokenizer, job.completion.stop)
