@@ -129,6 +129,11 @@ def test_distill_data_of_another_model_is_refused(stories_path, tmp_path):
         train(TrainConfig(drafter="eagle2", target=str(stories_path), out=tmp_path / "run", data=str(made),
                           heldout=1, max_tokens=100, compile="off", dtype="float32"), progress=False)
     assert not (tmp_path / "run" / "examples.pt").exists()
+    from splitspec.train.throughput import bench_throughput
+
+    with pytest.raises(ValueError, match="holds the answers of HuggingFaceTB/SmolLM2-135M-Instruct"):  # train-bench too
+        bench_throughput(TrainConfig(drafter="eagle2", target=str(stories_path), out=tmp_path / "bench",
+                                     data=str(made), heldout=1, compile="off", dtype="float32"), tokens=100)
     assert same_model("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m")
     relative = Path(*[".."] * len(Path.cwd().parts)) / str(stories_path).lstrip("/")
     assert same_model(str(relative), str(stories_path)) and not same_model(str(stories_path), "smollm2-135m")

@@ -22,8 +22,8 @@ import torch
 from .batched import LossOptions, make_batch, run_target_batch
 from .data import Example
 from .objectives import EAGLE_NOISE, chunk_starts, eagle_loss, moa_loss, run_target
-from .trainer import (DrafterJob, TrainConfig, Trainee, _vocab_ids, build_drafter, compiles_target, load_examples,
-                      load_training_target, trainee_loss)
+from .trainer import (DrafterJob, TrainConfig, Trainee, _vocab_ids, build_drafter, check_data_targets,
+                      compiles_target, load_examples, load_training_target, trainee_loss)
 
 
 @dataclass
@@ -99,7 +99,8 @@ def bench_throughput(cfg: TrainConfig, tokens: int, warmup: int = 2) -> list[Thr
     fast], plus the fast path with nothing compiled where `cfg.compile` is on."""
     from splitspec.shared.models import load_model
 
-    model32, tokenizer, _ = load_model(cfg.target, device=cfg.device)
+    model32, tokenizer, model_id = load_model(cfg.target, device=cfg.device)
+    check_data_targets(cfg, model_id)
     model16 = load_model(cfg.target, device=cfg.device, dtype=cfg.dtype)[0] if cfg.dtype != "float32" else model32
     fast_model = load_training_target(cfg) if compiles_target(cfg) else model16
     examples, _ = load_examples(TrainConfig(**{**cfg.__dict__, "max_tokens": tokens}), tokenizer)

@@ -459,6 +459,19 @@ def _layer_inputs(trainees: list[Trainee]) -> tuple[int, ...]:
     return tuple(sorted({t.parts.first_tli_layer for t in trainees if t.job.kind == "moa" and t.job.tli}))
 
 
+def check_data_targets(cfg: TrainConfig, model_id: str) -> None:
+    """Refuse --data files that another model than `model_id` wrote (distill.check_target).
+
+    Raises:
+        ValueError: a file's header names another model, or none.
+    """
+    if cfg.conversations is None and cfg.data != "sharegpt":
+        from .distill import check_target, parse_data_entry
+
+        for path in dict.fromkeys(parse_data_entry(entry)[0] for entry in cfg.data.split(",")):
+            check_target(path, model_id)
+
+
 def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
     """Run (or resume) a training run; returns {drafter name: its last held-out record}.
 
@@ -506,11 +519,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
     if cfg.eval_only:  # no training examples to build (or cache)
         held = sharegpt_split(cfg.heldout, cfg.split_seed, cfg.conversations)[1]
     else:
-        if cfg.conversations is None and cfg.data != "sharegpt":
-            from .distill import check_target, parse_data_entry
-
-            for path in dict.fromkeys(parse_data_entry(entry)[0] for entry in cfg.data.split(",")):
-                check_target(path, model_id)
+        check_data_targets(cfg, model_id)
         examples, held = cached_examples(cfg, tokenizer)
         if not examples:
             raise ValueError("no training examples (empty data or every conversation too short)")
