@@ -6,11 +6,12 @@ that the composition root (cli/main.py) passes in (server/local.py `load_local_v
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from splitspec.shared.drafters.spec import DrafterSpec
-from splitspec.shared.models import DEFAULT_TARGET, load_tokenizer, tokenizer_fingerprint, tokenizer_source
+from splitspec.shared.models import (DEFAULT_TARGET, chat_sampling_defaults, load_tokenizer, tokenizer_fingerprint,
+                                     tokenizer_source)
 from splitspec.shared.sampling import SamplingParams
 from splitspec.shared.verifier import Verifier
 
@@ -50,6 +51,9 @@ class ClientConfig:
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    #: sampling fields ("temperature", "top_p") left unset: taken from the target's chat defaults
+    #: (`chat_sampling`) once the target is known, the server's in split mode
+    chat_defaults: tuple[str, ...] = ()
 
 
 @dataclass
@@ -87,8 +91,22 @@ def build_client(cfg: ClientConfig, local_verifier: LocalVerifierFactory | None 
                            target_model=verifier.target_model, device=cfg.device, dtype=cfg.dtype,
                            seed=cfg.sampling.seed)
     planner = TreePlanner() if cfg.drafter.adaptive else None
-    return ClientSetup(SpeculativeDecoder(verifier, drafter, cfg.offline, planner), tokenizer, cfg.sampling, mode,
-                       target)
+    return ClientSetup(SpeculativeDecoder(verifier, drafter, cfg.offline, planner), tokenizer,
+                       chat_sampling(cfg, target), mode, target)
+
+
+def chat_sampling(cfg: ClientConfig, target: str) -> SamplingParams:
+    """cfg.sampling with the fields cfg.chat_defaults names taken from `target`'s chat defaults
+    (shared/models.py `chat_sampling_defaults`: its generation config, else 0.7 / 0.9).
+
+    Raises:
+        RuntimeError: `target` is an alias whose package cannot be installed.
+    """
+    if not cfg.chat_defaults:
+        return cfg.sampling
+    temperature, top_p = chat_sampling_defaults(target)
+    found = {"temperature": temperature, "top_p": top_p}
+    return replace(cfg.sampling, **{name: found[name] for name in cfg.chat_defaults})
 
 
 def _server_tokenizer(target: str | None, verifier) -> tuple[str, object]:

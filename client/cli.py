@@ -16,7 +16,7 @@ import grpc
 
 from splitspec.shared.config import TreeConfig, at_least
 from splitspec.shared.drafters.spec import DEFAULT_DRAFT_VOCAB, DEFAULT_LOOKUP, QUANTIZATIONS, DrafterSpec
-from splitspec.shared.models import DEFAULT_TARGET, chat_sampling_defaults
+from splitspec.shared.models import DEFAULT_TARGET
 from splitspec.shared.sampling import SamplingParams
 from splitspec.shared.verifier import LinkDown
 
@@ -132,19 +132,18 @@ def add_client_args(p: argparse.ArgumentParser, chat: bool = False) -> None:
 def client_config(args):
     """The ClientConfig (client/build.py) of the generate / chat flags.
 
-    A --temperature / --top-p left unset (chat, up) takes the target's chat defaults
-    (shared/models.py `chat_sampling_defaults`).
+    A --temperature / --top-p left unset (chat, up) is named in `chat_defaults`: build_client takes
+    it from the target's chat defaults once the target is known (in split mode the server's).
 
     Raises:
         ValueError: a bad --drafter or tree size, or sampling parameters out of range.
     """
     from .build import ClientConfig
 
-    temperature, top_p = args.temperature, args.top_p
-    if temperature is None or top_p is None:
-        default_temperature, default_top_p = chat_sampling_defaults(args.target or DEFAULT_TARGET)
-        temperature = default_temperature if temperature is None else temperature
-        top_p = default_top_p if top_p is None else top_p
+    unset = tuple(name for name in ("temperature", "top_p") if getattr(args, name) is None)
+    # the unset ones hold valid stand-ins until build_client fills them in
+    temperature = 0.0 if args.temperature is None else args.temperature
+    top_p = 1.0 if args.top_p is None else args.top_p
     tree = TreeConfig(depth=args.tree_depth, top_b=args.tree_top_b, max_nodes=args.tree_nodes)
     drafter = DrafterSpec.parse("none" if args.no_spec else args.drafter, lsa=args.lsa_placement,
                                 quant=args.feature_quant, vocab=args.draft_vocab, tree=tree, lookup=args.prompt_lookup,
@@ -156,7 +155,7 @@ def client_config(args):
         offline=OfflinePolicy(enabled=not args.no_offline, on_reconnect=args.on_reconnect),
         device=args.device, dtype=args.dtype, timeout_s=args.timeout, step_timeout_s=args.step_timeout,
         connect_timeout_s=args.connect_timeout, busy_wait_s=args.busy_wait, auth_token_file=args.auth_token_file, tls_ca=args.tls_ca,
-        tls_cert=args.tls_cert, tls_key=args.tls_key)
+        tls_cert=args.tls_cert, tls_key=args.tls_key, chat_defaults=unset)
 
 
 def _encode(setup, args, messages: list[dict[str, str]]):

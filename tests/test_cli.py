@@ -182,14 +182,16 @@ def test_chat_samples_by_default_and_is_greedy_on_request(stories_path, tmp_path
     """chat (and up) sample by default, from the target's generation config when it names values;
     generate stays greedy."""
     from splitspec.cli.main import build_parser
+    from splitspec.client.build import chat_sampling
     from splitspec.client.cli import client_config
     from splitspec.shared.models import chat_sampling_defaults
 
     parser = build_parser()
     chat = ["chat", "--local", "--target", str(stories_path)]
-    sampling = client_config(parser.parse_args(chat)).sampling
+    sampling = chat_sampling(client_config(parser.parse_args(chat)), str(stories_path))
     assert (sampling.temperature, sampling.top_p) == (0.7, 0.9)
-    assert client_config(parser.parse_args(chat + ["--temperature", "0"])).sampling.greedy
+    greedy = client_config(parser.parse_args(chat + ["--temperature", "0"]))
+    assert chat_sampling(greedy, str(stories_path)).greedy
     assert client_config(parser.parse_args(["generate", "--local", "--target", str(stories_path), "--prompt", "x"])
                          ).sampling.greedy
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95}))

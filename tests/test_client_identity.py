@@ -39,3 +39,29 @@ def test_a_server_model_unknown_here_asks_for_target(stories, serve):
         build_client(_config(service.address))
     setup = build_client(_config(service.address, target=tokenizer.name_or_path))  # named: it works
     setup.decoder.verifier.close()
+
+
+def test_chat_defaults_come_from_the_servers_target(stories, serve, stories_path, tmp_path):
+    """`chat` / `up` without --temperature / --top-p sample with the server's target's generation
+    config in split mode, not the default target's (which was loaded, or installed, for it)."""
+    import json
+    import shutil
+
+    from splitspec.cli.main import build_parser
+    from splitspec.client.cli import client_config
+
+    folder = tmp_path / "model"
+    shutil.copytree(stories_path, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.2, "top_p": 0.5}))
+    model, tokenizer, _ = stories
+    service = serve(TargetRunner(model, tokenizer, str(folder)))
+    args = build_parser().parse_args(["chat", "--server", service.address, "--drafter", "ngram"])
+    config = client_config(args)
+    assert config.chat_defaults == ("temperature", "top_p")
+    setup = build_client(config)
+    try:
+        assert (setup.sampling.temperature, setup.sampling.top_p) == (0.2, 0.5)
+    finally:
+        setup.decoder.verifier.close()
+    flagged = client_config(build_parser().parse_args(["chat", "--server", service.address, "--top-p", "0.8"]))
+    assert flagged.chat_defaults == ("temperature",) and flagged.sampling.top_p == 0.8
