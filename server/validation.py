@@ -47,7 +47,9 @@ def check_open(request: pb.OpenSessionRequest, *, fingerprint: str, vocab_size: 
     """
     if request.tokenizer_fingerprint != fingerprint:
         raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
-                           "tokenizer fingerprint differs from the server's; the drafter must use the target's tokenizer")
+                           "the client's tokenizer fingerprint differs from this server's target: the server's "
+                           "target is not the model the client was built for (it changed since the client "
+                           "connected?); restart the client")
     prompt = list(request.prompt_ids)
     if not prompt:
         raise invalid("prompt_ids is empty")
