@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("pull", help="obtain a model and cache a converted copy")
     p.add_argument("model", nargs="?", default=DEFAULT_TARGET)
+    p.add_argument("--force", action="store_true",
+                   help="convert an alias or .gguf file again even where a converted copy is cached "
+                        "(repairs a damaged copy)")
     p.set_defaults(func=cmd_pull)
     add_server_parsers(sub, behind_link=serve_behind_link)
     add_client_parsers(sub, local_verifier=load_local_verifier)
@@ -73,7 +76,7 @@ def load_local_verifier(target: str, device: str, dtype: str):
 
 
 def cmd_pull(args) -> None:
-    print(f"{args.model}: {pull(ModelSpec.parse(args.model).source)}")
+    print(f"{args.model}: {pull(ModelSpec.parse(args.model).source, force=args.force)}")
 
 
 def _quiet_libraries() -> None:

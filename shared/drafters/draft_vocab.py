@@ -45,14 +45,33 @@ def count_tokens(sequences: Iterable[tuple[list[int], list[int]]], vocab_size: i
     return counts
 
 
+def check_counts_path(path: str | Path) -> None:
+    """Refuse a counts path that names a folder (before any counting).
+
+    Raises:
+        ValueError: `path` is an existing folder.
+    """
+    if Path(path).is_dir():
+        raise ValueError(f"{path} is a folder; name the counts file, e.g. {Path(path) / COUNTS}")
+
+
 def save_counts(path: str | Path, counts: torch.Tensor, fingerprint: str, source: str) -> None:
-    """Write counts [V] with the tokenizer fingerprint and a description of the counted data."""
+    """Write counts [V] with the tokenizer fingerprint and a description of the counted data,
+    atomically (a temp file renamed; removed again when the write fails).
+
+    Raises:
+        ValueError: `path` is a folder (`check_counts_path`).
+    """
     path = Path(path)
+    check_counts_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    save_file({"counts": counts.to(torch.int64).contiguous()}, str(tmp),
-              metadata={"tokenizer_fingerprint": fingerprint, "source": source, "tokens": str(int(counts.sum()))})
-    tmp.replace(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        save_file({"counts": counts.to(torch.int64).contiguous()}, str(tmp),
+                  metadata={"tokenizer_fingerprint": fingerprint, "source": source, "tokens": str(int(counts.sum()))})
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def load_draft_vocab(path: str | Path, size: int, fingerprint: str) -> torch.Tensor:
@@ -62,13 +81,19 @@ def load_draft_vocab(path: str | Path, size: int, fingerprint: str) -> torch.Ten
         ids [min(size, V)] int64, sorted ascending.
     Raises:
         FileNotFoundError: no counts file. DraftVocabMismatch: counted with another tokenizer.
-        ValueError: size < 1.
+        ValueError: size < 1; a file that is no counts file (truncated, damaged, another tensor).
     """
+    from safetensors import SafetensorError
+
     if size < 1:
         raise ValueError(f"draft vocabulary size must be >= 1, got {size}")
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        counts = f.get_tensor("counts")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            counts = f.get_tensor("counts")
+    except SafetensorError as err:  # also raised for a missing "counts" tensor
+        raise ValueError(f"draft vocabulary counts {path}: not a valid counts file ({err}); count again with "
+                         "`splitspec draft-vocab`") from err
     if meta.get("tokenizer_fingerprint") != fingerprint:
         raise DraftVocabMismatch(f"{path} was counted with tokenizer {meta.get('tokenizer_fingerprint')}, "
                                  f"the target's is {fingerprint}")

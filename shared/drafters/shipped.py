@@ -8,6 +8,7 @@ the installed `splitspec` tree (or the checkout), so that shared/ imports no roo
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from splitspec.shared.models import ModelSpec
@@ -16,8 +17,19 @@ CHECKPOINTS = Path(__file__).resolve().parents[2] / "client" / "checkpoints"
 
 
 def target_folder(target: str) -> Path:
-    """client/checkpoints/<target alias or name> (slashes become --)."""
-    return CHECKPOINTS / ModelSpec.parse(target).source.replace("/", "--")
+    """client/checkpoints/<target alias or name> (slashes become --); a local path is named by its
+    resolved form, so one folder written two ways (`x/`, `./x`, relative or absolute) maps to one name.
+
+    Raises:
+        ValueError: a name that would not give a folder directly inside client/checkpoints.
+    """
+    source = ModelSpec.parse(target).source
+    if Path(source).exists():
+        source = str(Path(source).resolve())
+    name = source.replace("/", "--")
+    if name in ("", ".", ".."):
+        raise ValueError(f"target {target!r} names no folder of its own under {CHECKPOINTS}")
+    return CHECKPOINTS / name
 
 
 def default_checkpoint(target: str, kind: str, tli: int = 0) -> Path:
@@ -26,4 +38,23 @@ def default_checkpoint(target: str, kind: str, tli: int = 0) -> Path:
 
 
 def has_shipped_checkpoint(target: str | None, kind: str = "moa") -> bool:
-    return target is not None and (default_checkpoint(target, kind) / "drafter.json").exists()
+    """Whether a `kind` checkpoint ships for `target` and fits it: for `MODEL@layers=N`, one trained
+    for an N-layer target (read from its drafter.json; the full model's does not fit).
+
+    Raises:
+        ValueError: that drafter.json is damaged (checkpoint.read_config).
+    """
+    if target is None:
+        return False
+    folder = default_checkpoint(target, kind)
+    if not (folder / "drafter.json").exists():
+        return False
+    layers = ModelSpec.parse(target).layers
+    if layers is None:
+        return True
+    try:
+        trained_for = json.loads((folder / "drafter.json").read_text())["target"]["num_layers"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"drafter checkpoint {folder / 'drafter.json'}: no target.num_layers ({err}); the "
+                         "checkpoint is damaged or from another splitspec version") from err
+    return trained_for == layers

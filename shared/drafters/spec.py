@@ -7,7 +7,7 @@ Grammar (`generate --drafter`, `bench --methods`, `serve --lsa`, `offline-eval -
     NAME = auto | none | ngram | draft-model:MODEL[@layers=N] | moa[:tli=N | :PATH] | eagle2[:PATH]
          | falcon[:PATH] | tokenswift[:PATH] | swift[:ratio=R]
 
-`auto` is the MoA checkpoint shipped for the target, else `ngram`; moa, eagle2, falcon and tokenswift without a PATH
+`auto` is the MoA checkpoint shipped for the target (and fitting its @layers=N), else `ngram`; moa, eagle2, falcon and tokenswift without a PATH
 use the checkpoint shipped for the target (shared/drafters/shipped.py); swift skips the share R of
 the target's layers while drafting (training-free, client/drafters/swift.py). The options are MoA's LSA
 placement, the features' quantization (the trained drafters), the draft vocabulary (the same: the N most
@@ -137,7 +137,8 @@ class DrafterSpec:
         return DEFAULT_LOOKUP if self.lookup == -1 else self.lookup
 
     def resolve(self, target: str | None) -> "DrafterSpec":
-        """`auto` made concrete: moa when a checkpoint ships for `target`, else ngram."""
+        """`auto` made concrete: moa when a checkpoint ships for `target` and fits it (for
+        `MODEL@layers=N`, one trained for N layers: `has_shipped_checkpoint`), else ngram."""
         if self.kind != "auto":
             return self
         if has_shipped_checkpoint(target):
