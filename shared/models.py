@@ -676,11 +676,33 @@ def early_exit(model, layers: int) -> None:
         model.config.layer_types = model.config.layer_types[:layers]
 
 
+# Texts on which tokenizers that share a vocabulary still disagree: runs of spaces, tabs and
+# newlines, digits and numbers, code, accents and ligatures, several scripts, emoji, typographic
+# punctuation, and special-token text written literally
+FINGERPRINT_PROBES = (
+    "Once upon a time, there was a little girl named Lily.  She liked to play\toutside.\n\nThe end.   ",
+    "def f(x):\n    return [x ** 2 for x in range(10)]  # squares\r\n\tpass",
+    "Prices: $3.50, 1,234,567.89 and 2026-11-29 10:51:22 UTC; 100% sure!? 0.000001e-10",
+    "café naïve coöperate ﬁne Ǆ İstanbul straße ÅNGSTRÖM",
+    "Привет, мир! 你好，世界。こんにちは。안녕하세요. مرحبا بالعالم. नमस्ते",
+    "🙂👍🏽 — “quotes” ‘single’ … ¿qué? «ça»",
+    "<|im_start|>user\nhi<|im_end|>\n<s></s><unk> [INST] <|endoftext|>",
+)
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
-    """A short hash of the vocabulary and special tokens: equal iff both sides tokenize alike."""
+    """A short hash of how `tokenizer` maps text to ids and back: its vocabulary, its special
+    tokens, and the ids and decoded text of FINGERPRINT_PROBES. Equal for two tokenizers that
+    tokenize alike; a vocabulary alone is not enough (other merges, another pre-tokenizer or
+    normaliser split the same text into other ids of the same vocabulary), and those differ on the
+    probes."""
     vocab = sorted(tokenizer.get_vocab().items())
     special = sorted((str(k), str(v)) for k, v in tokenizer.special_tokens_map.items())
-    blob = json.dumps({"vocab": vocab, "special": special}, ensure_ascii=False).encode()
+    probes = []
+    for text in FINGERPRINT_PROBES:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        probes.append([ids, tokenizer.decode(ids)])
+    blob = json.dumps({"vocab": vocab, "special": special, "probes": probes}, ensure_ascii=False).encode()
     return hashlib.sha256(blob).hexdigest()[:32]
 
 

@@ -65,3 +65,26 @@ def test_chat_defaults_come_from_the_servers_target(stories, serve, stories_path
         setup.decoder.verifier.close()
     flagged = client_config(build_parser().parse_args(["chat", "--server", service.address, "--top-p", "0.8"]))
     assert flagged.chat_defaults == ("temperature",) and flagged.sampling.top_p == 0.8
+
+
+def test_a_tokenizer_with_other_merges_is_refused(stories, serve, stories_path, tmp_path):
+    """Same vocabulary and special tokens, a quarter of the BPE merges: the prompt splits into other
+    ids, so the answer would not be the target's. The fingerprint covers how text tokenizes."""
+    import json
+    import shutil
+
+    from splitspec.shared.models import load_tokenizer
+
+    folder = tmp_path / "tweaked"
+    shutil.copytree(stories_path, folder)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    spec["model"]["merges"] = spec["model"]["merges"][: len(spec["model"]["merges"]) // 4]
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    model, tokenizer, model_id = stories
+    tweaked = load_tokenizer(str(folder))
+    assert tweaked.get_vocab() == tokenizer.get_vocab()
+    assert tweaked.encode("Once upon a time") != tokenizer.encode("Once upon a time")
+    assert tokenizer_fingerprint(tweaked) != tokenizer_fingerprint(tokenizer)
+    service = serve(TargetRunner(model, tokenizer, model_id))
+    with pytest.raises(ValueError, match="differs from the server's target"):
+        build_client(_config(service.address, target=str(folder)))
