@@ -19,7 +19,7 @@ from splitspec.shared.features import FeatureBatch, FeatureRequest
 from splitspec.shared.sampling import SamplingParams, Stream, make_generator
 from splitspec.v1 import verify_pb2 as pb
 
-from .base import DraftLimits, Drafter, Proposal, check_contiguous
+from .base import DraftLimits, Drafter, FeatureRows, Proposal, check_contiguous
 from .dynamic_tree import build_tree, frontier_mask
 
 
@@ -40,18 +40,18 @@ class EagleRuntime(Drafter):
         self.reset((), FeatureBatch(0, 0))
 
     def reset(self, prompt_ids, features: FeatureBatch) -> None:
-        self.features = torch.zeros(0, self.module.config.hidden_size, dtype=self.dtype)  # [verified, E]
+        self.features = FeatureRows(self.module.config.hidden_size, self.dtype)  # [verified, E]
         self.cache = DynamicCache()
         self.predicted: dict[int, torch.Tensor] = {}  # position -> f^ for positions without true features
         if features.count:
             self.commit((), features)
 
     def commit(self, new_tokens, features: FeatureBatch) -> None:
-        check_contiguous(features, self.features.shape[0])
+        check_contiguous(features, len(self.features))
         if kv.cache_length(self.cache) > features.start:  # slots fed with predicted features give way
             kv.truncate(self.cache, features.start)
         self.predicted.clear()
-        self.features = torch.cat([self.features, features.hidden[-1].to(self.dtype)])
+        self.features.append(features.hidden[-1])
 
     def _run(self, tokens: list[int], feats: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Predicted features [n, E] for slots (tokens [n], feats [n, E]) appended to the cache."""
@@ -61,9 +61,9 @@ class EagleRuntime(Drafter):
     @torch.inference_mode()
     def propose(self, context: Sequence[int], limits: DraftLimits, sampling: SamplingParams) -> Proposal:
         pending = len(context) - 1
-        if self.features.shape[0] > pending:
-            raise RuntimeError(f"{self.features.shape[0]} features known but the pending token is at {pending}")
-        verified = self.features.shape[0]
+        if len(self.features) > pending:
+            raise RuntimeError(f"{len(self.features)} features known but the pending token is at {pending}")
+        verified = len(self.features)
         cached = kv.cache_length(self.cache)
         if cached < verified:  # slot j: (token j+1, f_j), true features
             slots_new = list(range(cached, verified))

@@ -31,7 +31,7 @@ from splitspec.shared.sampling import SamplingParams, Stream, make_generator
 from splitspec.shared.tree import ROOT, DraftTree
 from splitspec.v1 import verify_pb2 as pb
 
-from .base import DraftLimits, Drafter, Proposal, check_contiguous
+from .base import DraftLimits, Drafter, FeatureRows, Proposal, check_contiguous
 from .dynamic_tree import build_tree
 
 
@@ -56,7 +56,7 @@ class FalconRuntime(Drafter):
         self.reset((), FeatureBatch(0, 0))
 
     def reset(self, prompt_ids, features: FeatureBatch) -> None:
-        self.features = torch.zeros(0, self.module.config.hidden_size, dtype=self.dtype)  # [verified, E]
+        self.features = FeatureRows(self.module.config.hidden_size, self.dtype)  # [verified, E]
         self.cache = DynamicCache()
         self.states: dict[int, tuple | None] = {0: None}  # cached slots -> LSTM state after them
         self.outputs: dict[int, torch.Tensor] = {}  # slot j -> its predicted f^_{j+2} [E]
@@ -64,12 +64,12 @@ class FalconRuntime(Drafter):
             self.commit((), features)
 
     def commit(self, new_tokens, features: FeatureBatch) -> None:
-        check_contiguous(features, self.features.shape[0])
+        check_contiguous(features, len(self.features))
         if kv.cache_length(self.cache) > features.start:  # slots fed predicted features give way
             self._truncate(features.start)
-        self.features = torch.cat([self.features, features.hidden[-1].to(self.dtype)])
+        self.features.append(features.hidden[-1])
         # what a cut or an offline slot may still need; a rollback further back recomputes from slot 0
-        keep_from = self.features.shape[0] - KEEP_STATES
+        keep_from = len(self.features) - KEEP_STATES
         self.states = {n: s for n, s in self.states.items() if n == 0 or n >= keep_from}
         self.outputs = {j: f for j, f in self.outputs.items() if j >= keep_from}
 
@@ -85,7 +85,7 @@ class FalconRuntime(Drafter):
 
     def _input_feature(self, j: int) -> torch.Tensor:
         """Slot j's feature: the target's f_j, else the drafter's own f^_j (zeros before slot 2)."""
-        if j < self.features.shape[0]:
+        if j < len(self.features):
             return self.features[j]
         return self.outputs.get(j - K, torch.zeros(self.module.config.hidden_size, dtype=self.dtype))
 
@@ -110,7 +110,7 @@ class FalconRuntime(Drafter):
     @torch.inference_mode()
     def propose(self, context: Sequence[int], limits: DraftLimits, sampling: SamplingParams) -> Proposal:
         pending = len(context) - 1
-        verified = self.features.shape[0]
+        verified = len(self.features)
         if verified > pending:
             raise RuntimeError(f"{verified} features known but the pending token is at {pending}")
         if pending < K:

@@ -37,7 +37,7 @@ from splitspec.shared.sampling import SamplingParams, Stream, make_generator
 from splitspec.shared.tree import DraftTree
 from splitspec.v1 import verify_pb2 as pb
 
-from .base import DraftLimits, Drafter, Proposal, check_contiguous
+from .base import DraftLimits, Drafter, FeatureRows, Proposal, check_contiguous
 from .dynamic_tree import build_tree
 from .ngram import merge_chains
 
@@ -84,14 +84,14 @@ class TokenSwiftRuntime(Drafter):
         self.reset((), FeatureBatch(0, 0))
 
     def reset(self, prompt_ids, features: FeatureBatch) -> None:
-        self.features = torch.zeros(0, self.module.config.hidden_size, dtype=self.dtype)  # [verified, E]
+        self.features = FeatureRows(self.module.config.hidden_size, self.dtype)  # [verified, E]
         self.index.reset()
         if features.count:
             self.commit((), features)
 
     def commit(self, new_tokens, features: FeatureBatch) -> None:
-        check_contiguous(features, self.features.shape[0])
-        self.features = torch.cat([self.features, features.hidden[-1].to(self.dtype)])
+        check_contiguous(features, len(self.features))
+        self.features.append(features.hidden[-1])
 
     def rollback(self, length: int) -> None:
         self.index.reset()  # recounted from the context at the next proposal
@@ -105,7 +105,7 @@ class TokenSwiftRuntime(Drafter):
         if sampling.greedy:
             chains = [c[: limits.max_depth] for c in self.index.continuations(context[-1], self.ngram_top_k)]
         chain_nodes = len(merge_chains(DraftTree.empty(), chains, max_nodes).tokens)
-        if self.features.shape[0] < pending or pending < 1:  # no h_0: n-gram chains only
+        if len(self.features) < pending or pending < 1:  # no h_0: n-gram chains only
             return Proposal(merge_chains(DraftTree.empty(), chains, max_nodes))
         logits = self.parts.head(self.module(self.features[pending - 1])).float()  # [gamma, V]: depths 1..gamma
         tree = replace(self.tree, depth=min(self.tree.depth, len(logits)),
