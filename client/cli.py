@@ -106,7 +106,8 @@ def add_client_args(p: argparse.ArgumentParser, chat: bool = False) -> None:
     p.add_argument("--tree-nodes", type=int, default=TreeConfig.max_nodes)
     p.add_argument("--adaptive-tree", action="store_true",
                    help="network-aware trees: pick each step's depth, top-B and nodes from the measured link, "
-                        "verify and drafting times and acceptance (moa, eagle2, falcon, draft-model; client/tree_planner.py)")
+                        "verify and drafting times and acceptance (moa, eagle2, falcon, tokenswift, draft-model; "
+                        "client/tree_planner.py)")
     p.add_argument("--system", default=None, help="system prompt (chat template)")
     p.add_argument("--timeout", type=at_least(0, strict=True), default=60.0,
                    help="deadline of Info and OpenSession calls, s")

@@ -157,7 +157,7 @@ class SpeculativeDecoder:
                  planner: TreePlanner | None = None) -> None:
         if planner is not None and not isinstance(getattr(drafter, "tree", None), TreeConfig):
             raise ValueError(f"the {drafter.name} drafter has no tree shape to adapt; network-aware trees are for "
-                             "moa, eagle2, falcon and draft-model")
+                             "moa, eagle2, falcon, tokenswift and draft-model")
         self.verifier = verifier
         self.drafter = drafter
         self.offline = offline
