@@ -19,7 +19,7 @@ from splitspec.shared.features import FeatureBatch, FeatureRequest
 from splitspec.shared.sampling import SamplingParams, Stream, make_generator
 from splitspec.v1 import verify_pb2 as pb
 
-from .base import DraftLimits, Drafter, FeatureRows, Proposal, check_contiguous
+from .base import DraftLimits, Drafter, Growing, Proposal, check_contiguous
 from .dynamic_tree import build_tree, frontier_mask
 
 
@@ -40,7 +40,7 @@ class EagleRuntime(Drafter):
         self.reset((), FeatureBatch(0, 0))
 
     def reset(self, prompt_ids, features: FeatureBatch) -> None:
-        self.features = FeatureRows(self.module.config.hidden_size, self.dtype)  # [verified, E]
+        self.features = Growing(torch.zeros(0, self.module.config.hidden_size, dtype=self.dtype))  # [verified, E]
         self.cache = DynamicCache()
         self.predicted: dict[int, torch.Tensor] = {}  # position -> f^ for positions without true features
         if features.count:

@@ -31,7 +31,7 @@ from splitspec.shared.sampling import SamplingParams, Stream, make_generator
 from splitspec.shared.tree import ROOT, DraftTree
 from splitspec.v1 import verify_pb2 as pb
 
-from .base import DraftLimits, Drafter, FeatureRows, Proposal, check_contiguous
+from .base import DraftLimits, Drafter, Growing, Proposal, check_contiguous
 from .dynamic_tree import build_tree
 
 
@@ -56,7 +56,7 @@ class FalconRuntime(Drafter):
         self.reset((), FeatureBatch(0, 0))
 
     def reset(self, prompt_ids, features: FeatureBatch) -> None:
-        self.features = FeatureRows(self.module.config.hidden_size, self.dtype)  # [verified, E]
+        self.features = Growing(torch.zeros(0, self.module.config.hidden_size, dtype=self.dtype))  # [verified, E]
         self.cache = DynamicCache()
         self.states: dict[int, tuple | None] = {0: None}  # cached slots -> LSTM state after them
         self.outputs: dict[int, torch.Tensor] = {}  # slot j -> its predicted f^_{j+2} [E]

@@ -37,7 +37,7 @@ from splitspec.shared.sampling import SamplingParams, Stream, make_generator
 from splitspec.shared.tree import DraftTree
 from splitspec.v1 import verify_pb2 as pb
 
-from .base import DraftLimits, Drafter, FeatureRows, Proposal, check_contiguous
+from .base import DraftLimits, Drafter, Growing, Proposal, check_contiguous
 from .dynamic_tree import build_tree
 from .ngram import merge_chains
 
@@ -84,7 +84,7 @@ class TokenSwiftRuntime(Drafter):
         self.reset((), FeatureBatch(0, 0))
 
     def reset(self, prompt_ids, features: FeatureBatch) -> None:
-        self.features = FeatureRows(self.module.config.hidden_size, self.dtype)  # [verified, E]
+        self.features = Growing(torch.zeros(0, self.module.config.hidden_size, dtype=self.dtype))  # [verified, E]
         self.index.reset()
         if features.count:
             self.commit((), features)
