@@ -47,11 +47,13 @@ from splitspec.shared.sampling import SamplingParams
 
 from .cli import BACKENDS
 from .metrics import BASELINE, BenchRecord, token_gaps_ms
+from .out_paths import writable_dir
 from .prompts import load_prompts
-from .report import render_markdown, write_plots
-from .service_process import free_port, start_server, stop_server
+from .report import inexact_answers, render_markdown, write_plots
+from .service_process import free_port, sigterm_exits, start_server, stop_server
 
 WARMUP_TOKENS = 4
+DEFAULT_GOAL_PROFILE = "4g"  # the issue's goals are stated under 4g
 LOCAL_OPTIONS = ("vocab", "tree", "lookup", "dtype")  # ;lsa= and ;quant= only exist with a server
 
 
@@ -73,14 +75,16 @@ class BenchConfig:
     spec_bench: str | None
     lsa_placement: str
     feature_quant: str
-    goal_profile: str
+    goal_profile: str | None  # None: DEFAULT_GOAL_PROFILE, whether or not the run has it (`goal`)
     out: Path | None
     sampling: SamplingParams = SamplingParams()  # greedy by default; answer i samples with seed + i
 
     @classmethod
     def from_args(cls, args) -> "BenchConfig":
         """Raises ValueError: bad counts, bad sampling settings, a method, profile, dataset or category
-        listed twice, unknown method options, options on single-device methods, unknown link profiles; FileNotFoundError: a profile .toml that does not exist."""
+        listed twice, unknown method options, options on single-device methods, unknown link profiles,
+        a profile that cuts the link (loss 100%: no answer could cross it), a --goal-profile given but
+        not among the run's profiles; FileNotFoundError: a profile .toml that does not exist."""
         threads = args.threads if args.threads is not None else max(1, (os.cpu_count() or 2) // 2)
         if threads < 1 or args.limit < 1 or args.max_new_tokens < 1:
             raise ValueError("--threads, --limit and --max-new-tokens must be >= 1")
@@ -99,9 +103,24 @@ class BenchConfig:
             cfg.split_spec(m)
         for m in cfg.local_methods:
             cfg.local_spec(m)
-        for spec in cfg.profiles:
-            link_profiles(spec)  # fail before any model is loaded
+        names = []
+        for spec in cfg.profiles:  # fail before any model is loaded
+            profile, _, phases = link_profiles(spec)
+            cut = [p.name for p in (profile, *phases) if p.offline]
+            if cut:
+                raise ValueError(f"--profiles {spec}: {', '.join(dict.fromkeys(cut))} cuts the link (loss 100%), so no "
+                                 "answer could cross it; offline answers are measured by `splitspec offline-eval`")
+            names.append(profile.name)
+        run_profiles = (names or ["loopback"]) if cfg.methods else []
+        if cfg.goal_profile is not None and cfg.goal_profile not in run_profiles:
+            raise ValueError(f"--goal-profile {cfg.goal_profile} is not a profile of this run "
+                             f"({', '.join(run_profiles) or 'no split methods'}); add it to --profiles")
         return cfg
+
+    @property
+    def goal(self) -> str:
+        """The profile the goal lines are checked under."""
+        return self.goal_profile or DEFAULT_GOAL_PROFILE
 
     def split_spec(self, method: str) -> DrafterSpec:
         """A split method's drafter, --lsa-placement and --feature-quant filling what it leaves out.
@@ -234,18 +253,30 @@ class ArrivalClock:
 
 
 def cmd_bench(args) -> None:
+    """The bench command (module docstring).
+
+    Raises:
+        ValueError, FileNotFoundError, OSError: bad arguments, prompts or --out, before any model loads.
+        RuntimeError: a greedy answer differed from generate()'s (after the report is printed and written).
+    """
     cfg = BenchConfig.from_args(args)
-    torch.set_num_threads(cfg.threads)
+    if cfg.out:
+        writable_dir(cfg.out)
     prompts = load_prompts(list(cfg.datasets), cfg.limit, cfg.spec_bench, cfg.categories)
-    model, tokenizer, model_id = load_model(cfg.target)
-    meta = {"target": model_id, "commit": source_commit(), "machine": machine_description(cfg.threads),
-            "seed": cfg.seed, "threads": cfg.threads, "max_new_tokens": cfg.max_new_tokens,
-            "decoding": decoding_text(cfg.sampling)}
-    with contextlib.ExitStack() as stack:
-        arms = build_arms(cfg, stack, model, tokenizer, model_id)
-        records = run_arms(cfg, prompts, arms, model, tokenizer, meta)
+    torch.set_num_threads(cfg.threads)
+    with sigterm_exits():
+        model, tokenizer, model_id = load_model(cfg.target)
+        meta = {"target": model_id, "commit": source_commit(), "machine": machine_description(cfg.threads),
+                "seed": cfg.seed, "threads": cfg.threads, "max_new_tokens": cfg.max_new_tokens,
+                "decoding": decoding_text(cfg.sampling)}
+        with contextlib.ExitStack() as stack:
+            arms = build_arms(cfg, stack, model, tokenizer, model_id)
+            records = run_arms(cfg, prompts, arms, model, tokenizer, meta)
     table = render_markdown(records, meta, cfg)
     print(table)
+    lossy = inexact_answers(records)
+    if lossy:
+        print(lossy, file=sys.stderr)
     # what adaptive drafters settled on (SWIFT: its skip-set search) and what prompt lookup added
     reports = {arm.label: report for arm in arms if (report := _adaptive_report(arm.decoder))}
     for label, report in reports.items():
@@ -265,6 +296,8 @@ def cmd_bench(args) -> None:
             (cfg.out / "drafters.json").write_text(json.dumps(reports, indent=1) + "\n")
         for path in write_plots(records, cfg.out, list(_profile_names(records))):
             print(f"wrote {path}", file=sys.stderr)
+    if lossy:
+        raise RuntimeError("greedy answers differ from generate()'s (see the WARNING above): the run is not lossless")
 
 
 def _adaptive_report(decoder) -> dict:

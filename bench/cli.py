@@ -18,7 +18,7 @@ BACKENDS = ("relay",)  # link emulation backends bench can drive
 
 
 def add_bench_parsers(sub) -> None:
-    """bench, demo and offline-eval."""
+    """bench, demo, offline-eval, serve-bench, verify-cost and long-bench."""
     _add_bench_parser(sub)
     _add_demo_parser(sub)
     _add_offline_eval_parser(sub)
@@ -40,11 +40,13 @@ def _add_long_bench_parser(sub) -> None:
                                           "output length, with and without the contextual penalty")
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--drafter", default="tokenswift", help="any drafter spec (shared/drafters/spec.py)")
-    p.add_argument("--lengths", default="1024,2048,4096,7168", help="new tokens per answer, comma-separated")
-    p.add_argument("--penalty", type=float, default=1.2, help="contextual penalty of the second pair of arms (1 = none)")
-    p.add_argument("--penalty-window", type=int, default=1024)
+    p.add_argument("--lengths", type=_counts("length"), default=[1024, 2048, 4096, 7168],
+                   help="new tokens per answer, comma-separated")
+    p.add_argument("--penalty", type=at_least(1.0), default=1.2,
+                   help="contextual penalty of the second pair of arms (1 = none)")
+    p.add_argument("--penalty-window", type=at_least(1, int), default=1024)
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=at_least(1, int), default=None)
     p.add_argument("--out", default=None, help="also write the table to this file")
     p.set_defaults(func=cmd_long_bench)
 
@@ -76,10 +78,11 @@ def _add_serve_bench_parser(sub) -> None:
                         "(--device cuda)")
     p.add_argument("--drafter", default="ngram", help="each client's drafter (cheap ones leave the CPU to the server)")
     p.add_argument("--seconds", type=at_least(0, strict=True), default=20.0, help="measured time per (max batch, clients) point")
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--limit", type=int, default=2, help="Spec-Bench prompts per category the clients cycle through")
+    p.add_argument("--max-new-tokens", type=at_least(1, int), default=48)
+    p.add_argument("--limit", type=at_least(1, int), default=2,
+                   help="Spec-Bench prompts per category the clients cycle through")
     p.add_argument("--spec-bench", default=None, help="path to Spec-Bench question.jsonl")
-    p.add_argument("--threads", type=int, default=None, help="the server's torch threads (default: torch's)")
+    p.add_argument("--threads", type=at_least(1, int), default=None, help="the server's torch threads (default: torch's)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="the server's device (`serve --device`)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="the server's target dtype (`serve --dtype`; float32 is the service's default)")
@@ -104,13 +107,14 @@ def _add_verify_cost_parser(sub) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET,
                    help="a model name, or random:llama-8b or random:smollm2-135m (that shape, random weights; with --prompts 0)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--context", type=int, default=300, help="prefix tokens before the timed step")
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--prompts", type=int, default=6, help="Spec-Bench prompts of the greedy-agreement check (0: skip it)")
-    p.add_argument("--linear", default="torch,onednn",
-                   help="linear-layer backends to measure side by side (shared/packed_linear.py)")
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--context", type=at_least(1, int), default=300, help="prefix tokens before the timed step")
+    p.add_argument("--repeats", type=at_least(1, int), default=10)
+    p.add_argument("--threads", type=at_least(1, int), default=2)
+    p.add_argument("--prompts", type=at_least(0, int), default=6,
+                   help="Spec-Bench prompts of the greedy-agreement check, one per category (0: skip it)")
+    p.add_argument("--linear", type=_linear_list, default="torch,onednn",
+                   help="linear-layer backends to measure side by side (shared/packed_linear.py): torch and/or onednn")
+    p.add_argument("--new-tokens", type=at_least(1, int), default=64)
     p.add_argument("--spec-bench", default=None, help="path to Spec-Bench question.jsonl")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="also time whole verify steps eager and replayed from CUDA graphs (on a CPU: eager fixed-shape, a dry run)")
@@ -119,7 +123,7 @@ def _add_verify_cost_parser(sub) -> None:
     p.add_argument("--batches", type=_counts("session"), default=[],
                    help="also time one verify step of B sessions scored together, per B (e.g. 1,4,8,16): the "
                         "service's batched path; each session --context tokens and a --batch-nodes tree")
-    p.add_argument("--batch-nodes", type=int, default=4, help="draft tree nodes per session in --batches (default: "
+    p.add_argument("--batch-nodes", type=at_least(1, int), default=4, help="draft tree nodes per session in --batches (default: "
                    "the 2x2x4 default tree)")
     p.set_defaults(func=cmd_verify_cost)
 
@@ -153,14 +157,17 @@ def parse_batch(text: str) -> tuple[int, str]:
 
 
 def _max_batches(text: str) -> list[tuple[int, str]]:
-    """An argparse type: '1,8:padded' -> [(1, 'ragged'), (8, 'padded')]; a value given twice (8,8 or
-    8,8:ragged: one label, so the report would pool the two points) is refused."""
+    """An argparse type: '1,8:padded' -> [(1, 'ragged'), (8, 'padded')]. Two values of one point
+    (8,8 or 8,8:ragged; 1,1:padded, since at max batch 1 nothing is batched either way) are refused:
+    they share a label, so the report would pool the two points."""
     try:
         batches = [parse_batch(b) for b in text.split(",")]
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    if len(set(batches)) != len(batches):
-        raise argparse.ArgumentTypeError(f"a --max-batch value is given twice in {text!r}")
+    points = [(size, "ragged" if size == 1 and batching == "padded" else batching) for size, batching in batches]
+    if len(set(points)) != len(points):
+        raise argparse.ArgumentTypeError(f"one --max-batch point is given twice in {text!r} (at max batch 1 "
+                                         "ragged and padded are the same point)")
     return batches
 
 
@@ -172,7 +179,30 @@ def _windows(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated milliseconds, got {text!r}") from None
     if not windows or not all(w >= 0 and w != float("inf") for w in windows):
         raise argparse.ArgumentTypeError(f"windows must be finite and >= 0 ms, got {text!r}")
+    if len(set(windows)) != len(windows):  # 5,5 or 0,0.0: one label, so the report would pool the points
+        raise argparse.ArgumentTypeError(f"a window is given twice in {text!r}")
     return windows
+
+
+def linear_backends(text: str) -> list[str]:
+    """'onednn,torch' -> ['torch', 'onednn'] (torch first: verify-cost's "1 pos vs torch" base).
+
+    Raises:
+        ValueError: no backend, or one other than torch and onednn.
+    """
+    asked = [b.strip() for b in text.split(",") if b.strip()]
+    if not asked or set(asked) - {"torch", "onednn"}:
+        raise ValueError(f"--linear {text!r}: expected torch and/or onednn, comma-separated")
+    return [b for b in ("torch", "onednn") if b in asked]
+
+
+def _linear_list(text: str) -> str:
+    """An argparse type checking `linear_backends`; the text is kept as given."""
+    try:
+        linear_backends(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def cmd_offline_eval(args) -> None:
@@ -217,7 +247,9 @@ def _add_bench_parser(sub) -> None:
                    help="MoA split default: server sends E values per token; client sends every layer's K/V")
     p.add_argument("--feature-quant", default="int8", choices=["fp16", "int8", "fp8"],
                    help="features the server sends, where a method leaves ;quant= out")
-    p.add_argument("--goal-profile", default="4g", help="profile the goal lines are checked under")
+    p.add_argument("--goal-profile", default=None,
+                   help="profile the goal lines are checked under, one of --profiles (default: 4g; its split goals "
+                        "are then not measured unless 4g is in --profiles)")
     p.add_argument("--out", default=None, help="write results.jsonl, table.md and PNG plots here")
     p.set_defaults(func=cmd_bench)
 
@@ -226,8 +258,8 @@ def _add_demo_parser(sub) -> None:
     p = sub.add_parser("demo", help="serve the target and answer real prompts through the split loop")
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--drafter", default=None, help="default: the generate command's default drafter")
-    p.add_argument("--limit", type=int, default=1, help="prompts per dataset")
-    p.add_argument("--max-new-tokens", type=int, default=160)
+    p.add_argument("--limit", type=at_least(1, int), default=1, help="prompts per dataset")
+    p.add_argument("--max-new-tokens", type=at_least(1, int), default=160)
     p.add_argument("--spec-bench", default=None, help="path to Spec-Bench question.jsonl")
     p.set_defaults(func=cmd_demo)
 

@@ -15,19 +15,30 @@ from splitspec.shared.drafters.spec import DrafterSpec
 from splitspec.shared.models import encode_chat, pull
 
 from .prompts import load_prompts
-from .service_process import free_port, start_server, stop_server
+from .service_process import free_port, sigterm_exits, start_server, stop_server
 
 
 def demo_prompts(limit: int, spec_bench: str | None) -> list[dict]:
-    """2 x `limit` Spec-Bench first turns spread over the categories, then `limit` HumanEval problems."""
+    """2 x `limit` Spec-Bench first turns spread over the categories, then `limit` HumanEval problems.
+
+    Raises:
+        ValueError: `limit` < 1, or no prompts (bench/prompts.py).
+    """
+    if limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {limit}")
     spec = load_prompts(["spec_bench"], 1, spec_bench)
     prompts = [spec[i] for i in range(0, len(spec), max(1, len(spec) // (2 * limit)))][: 2 * limit]
     return prompts + load_prompts(["humaneval"], limit)
 
 
 def cmd_demo(args) -> None:
-    pull(args.target)
     prompts = demo_prompts(args.limit, args.spec_bench)
+    with sigterm_exits():
+        _demo(args, prompts)
+
+
+def _demo(args, prompts: list[dict]) -> None:
+    pull(args.target)
     drafter = DrafterSpec.parse(args.drafter or "auto")
     # the shipped MoA drafter runs its LSA on the server: E values per token cross the wire, not every
     # layer's K/V (20x fewer bytes, same drafts; docs/benchmarks.md, "Feature quantization and LSA placement")

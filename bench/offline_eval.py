@@ -11,7 +11,9 @@ Greedy decoding throughout. For every problem the target's own uninterrupted ans
 - agreement: of the tokens after the cut, the fraction equal to the reference position by position
   (denominator: the longer of the two tails, so an answer that stops early or runs on disagrees),
   and the length of the common prefix after the cut (tokens);
-- offline tokens/s, and its ratio to the target's own greedy tokens/s in the same run.
+- offline tokens/s, and its ratio to the target's own greedy decoding tokens/s in the same run
+  (both without prefill: the offline tokens over the time from the cut to the answer's end; the
+  target's tokens after its first over the time from its first token to its last).
 
 Single-device: the target runs in this process (a LocalVerifier) behind `CutLink`, a verifier
 wrapper whose link goes down for good once the answer holds `cut_after` tokens (drafts are capped
@@ -60,6 +62,7 @@ from splitspec.shared.models import encode_chat, eos_token_ids, load_model
 from splitspec.shared.reference import target_greedy
 from splitspec.shared.verifier import LinkDown
 
+from .out_paths import writable_dir
 from .prompts import HUMANEVAL_INSTRUCTION, load_problems
 
 # the shipped checkpoints and the target's 8-layer early exit
@@ -331,11 +334,17 @@ def humaneval_messages(problem: dict) -> list[dict[str, str]]:
     return [{"role": "user", "content": HUMANEVAL_INSTRUCTION + problem["prompt"]}]
 
 
-def timed_target_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos: list[int]) -> tuple[list[int], float]:
-    """The target's own greedy answer [N] (EOS included when it ended it) and its wall time, s."""
-    start = time.perf_counter()
-    out = target_greedy(model, prompt_ids, max_new_tokens, eos)
-    return out, time.perf_counter() - start
+def timed_target_greedy(model, prompt_ids: list[int], max_new_tokens: int,
+                        eos: list[int]) -> tuple[list[int], float, float]:
+    """The target's own greedy answer [N] (EOS included when it ended it), its wall time, s
+    (prefill included), and its decoding time, s: from its first token's arrival to its last's
+    (prefill excluded; N - 1 tokens decoded in it)."""
+    from .bench import ArrivalClock
+
+    clock = ArrivalClock(streamer=True)
+    out = target_greedy(model, prompt_ids, max_new_tokens, eos, streamer=clock)
+    elapsed = time.perf_counter() - clock.start
+    return out, elapsed, (clock.arrivals[-1] - clock.arrivals[0]) if clock.arrivals else 0.0
 
 
 def interrupted(decoder, verifier: CutLink, prompt_ids: list[int], max_new_tokens: int) -> dict:
@@ -357,10 +366,11 @@ def run_problem(problem: dict, tokenizer, model, eos: list[int], decoders: dict,
     """The reference and one interrupted answer per drafter (`decoders`: name -> SpeculativeDecoder
     talking to `verifier`), as records without pass/fail."""
     ids = encode_chat(tokenizer, humaneval_messages(problem))
-    reference, ref_s = timed_target_greedy(model, ids, max_new_tokens, eos)
+    reference, ref_s, decode_s = timed_target_greedy(model, ids, max_new_tokens, eos)
     base = {"task_id": problem["task_id"], "prompt_tokens": len(ids)}
     records = [{**base, "drafter": REFERENCE, "tokens": reference, "new_tokens": len(reference),
-                "elapsed_s": round(ref_s, 4), "text": tokenizer.decode(reference, skip_special_tokens=True)}]
+                "elapsed_s": round(ref_s, 4), "decode_s": round(decode_s, 4),
+                "text": tokenizer.decode(reference, skip_special_tokens=True)}]
     cut = verifier.cut_after
     for name, decoder in decoders.items():
         run = interrupted(decoder, verifier, ids, max_new_tokens)
@@ -385,13 +395,26 @@ def score(records: list[dict], problems: dict[str, dict], timeout_s: float) -> s
     return harness
 
 
+def target_rate(references: list[dict]) -> tuple[float, str]:
+    """The target's greedy tokens/s over `references` (its uninterrupted answers), and how it was
+    timed: decoding only (tokens after the first / time from the first token to the last), as the
+    offline tokens/s is; or, for the records of an earlier version that did not time the decoding,
+    whole generate() calls (new tokens / wall time, prefill included)."""
+    if all("decode_s" in r for r in references):
+        tokens = sum(max(0, r["new_tokens"] - 1) for r in references)
+        return tokens / max(1e-9, sum(r["decode_s"] for r in references)), "decoding only"
+    tokens = sum(r["new_tokens"] for r in references)
+    return tokens / max(1e-9, sum(r["elapsed_s"] for r in references)), "whole generate() calls, prefill included"
+
+
 def summarize(records: list[dict]) -> list[dict]:
     """One row per drafter (records scored by `score`): pass@1 (greedy, one sample: the fraction
     passed), answers whose program equals the uninterrupted one's (the code was done before the
     cut), mean agreement and common prefix over the answers cut with tokens after the cut, offline
-    tokens/s (total offline tokens / total offline time) and its ratio to the target's greedy tokens/s."""
+    tokens/s (total offline tokens / total offline time) and its ratio to the target's greedy
+    tokens/s (`target_rate`; `target_timing` says how that was timed)."""
     refs = {r["task_id"]: r for r in records if r["drafter"] == REFERENCE}
-    target_tok_s = sum(r["new_tokens"] for r in refs.values()) / max(1e-9, sum(r["elapsed_s"] for r in refs.values()))
+    target_tok_s, timing = target_rate(list(refs.values()))
     rows = []
     for name in dict.fromkeys(r["drafter"] for r in records if r["drafter"] != REFERENCE):
         mine = [r for r in records if r["drafter"] == name]
@@ -407,7 +430,7 @@ def summarize(records: list[dict]) -> list[dict]:
             "same_program": sum(r["completion"] == refs[r["task_id"]]["completion"] for r in mine),
             "agreement": statistics.fmean(r["fraction"] for r in compared) if compared else None,
             "common_prefix": statistics.fmean(r["common_prefix"] for r in compared) if compared else None,
-            "offline_tok_s": tok_s, "vs_target": tok_s / target_tok_s if tok_s else None,
+            "offline_tok_s": tok_s, "vs_target": tok_s / target_tok_s if tok_s else None, "target_timing": timing,
             "prefix_mismatches": sum(not r["prefix_equal"] for r in mine)})
     return rows
 
@@ -431,8 +454,10 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def cmd_offline_eval(args) -> None:
+    """Raises ValueError, OSError: bad arguments, problems or --out, before any model loads."""
     cfg = EvalConfig.from_args(args)
-    problems = load_problems(cfg.problems, cfg.limit)
+    problems = load_problems(cfg.problems, cfg.limit)  # refuses an empty or malformed file
+    writable_dir(cfg.out)
     if cfg.rescore:
         records, meta = load_run(cfg.out)
     else:
@@ -443,7 +468,6 @@ def cmd_offline_eval(args) -> None:
         raise ValueError(f"{len(unknown)} answers are for problems outside --problems/--limit, e.g. {min(unknown)}")
     harness = score(records, by_id, cfg.exec_timeout_s)
     report = render_report(cfg, meta, harness, summarize(records))
-    cfg.out.mkdir(parents=True, exist_ok=True)
     with open(cfg.out / "results.jsonl", "w") as f:
         for record in records:
             f.write(json.dumps(record) + "\n")
@@ -498,17 +522,22 @@ def render_report(cfg: EvalConfig, meta: dict, harness: str, rows: list[dict]) -
     import platform
 
     mismatches = sum(r["prefix_mismatches"] for r in rows)
+    problems = max((r["problems"] for r in rows), default=0)
+    timing = rows[0]["target_timing"] if rows else "decoding only"
     rescored = " (answers scored again by --rescore)" if cfg.rescore else ""
     notes = [
         f"Command: `{meta['command']}`{rescored}",
         f"Target {meta['model_id']}, greedy, single-device; link cut after {meta['cut_after']} generated tokens, "
-        f"answers of at most {meta['max_new_tokens']} tokens; {rows[0]['problems']} HumanEval problems; "
+        f"answers of at most {meta['max_new_tokens']} tokens; {problems} HumanEval problems; "
         f"{platform.machine()} CPU, {meta['threads']} torch threads, wall {meta['wall_s'] / 60:.1f} min.",
         f"Harness: {harness}, {cfg.exec_timeout_s:g} s per program. pass@1 = fraction passed (greedy, one answer).",
         "Agreement: tokens after the cut equal to the uninterrupted answer position by position, over the longer "
         "tail; common prefix: tokens after the cut before the first difference (answers cut with tokens after "
-        "the cut only). Offline tok/s: offline tokens / time from the cut to the answer's end; x target greedy: "
-        "ratio to the target's own generate() tokens/s in the same run. Same program: the program run equals "
+        "the cut only). Offline tok/s: offline tokens / time from the cut to the answer's end (no prefill); "
+        f"x target greedy: ratio to the target's own generate() tokens/s in the same run, timed over {timing}"
+        + (" (tokens after the first / time from the first token to the last), like with like." if
+           timing == "decoding only" else " (answers of an earlier run: the ratio is biased up by the prefill).")
+        + " Same program: the program run equals "
         "the uninterrupted answer's (its code was finished before the cut); pass flips: passes gained/lost.",
         "Every verified prefix equals the uninterrupted answer." if not mismatches else
         f"WARNING: {mismatches} answers' verified prefix differs from the target's generate() output.",

@@ -41,11 +41,27 @@ def render_markdown(records: list[BenchRecord], meta: dict, cfg=None) -> str:
     if GroupKey("local", BASELINE, None, ALL) not in groups:
         raise ValueError("the records hold no generate() baseline rows")
     profiles = _profiles(records)
-    sections = [_header(records, meta, cfg), client_server_table(groups, profiles),
+    lossy = inexact_answers(records)
+    sections = [_header(records, meta, cfg), lossy, client_server_table(groups, profiles),
                 *[detail_table(groups, p) for p in profiles], detail_table(groups, None),
-                category_tables(groups, profiles), paired_section(records), goal_section(groups, records, cfg.goal_profile if cfg else "4g",
-                                                                meta.get("target", ""))]
+                category_tables(groups, profiles), paired_section(records),
+                goal_section(groups, records, cfg.goal if cfg else "4g", meta.get("target", "")), lossy]
     return "\n\n".join(s for s in sections if s)
+
+
+def inexact_answers(records: list[BenchRecord]) -> str:
+    """A WARNING paragraph naming every greedy answer that is not token-equal to generate()'s (arm
+    and prompt), or '' when there is none. Sampled answers (`exact` None) are never compared: every
+    arm's speed-up then stands for a lossless method only where this is empty."""
+    lossy = [r for r in records if r.exact is False]
+    if not lossy:
+        return ""
+    arms = dict.fromkeys(f"{r.mode} {r.method}" + (f" @{r.profile}" if r.profile else "") for r in lossy)
+    answers = [f"{r.mode} {r.method}" + (f" @{r.profile}" if r.profile else "") + f" on {r.category}/{r.id}"
+               for r in lossy]
+    return (f"**WARNING: {len(lossy)} greedy answers differ from generate()'s, so these arms were not lossless "
+            f"and their figures (goals included) are not those of speculative decoding: {', '.join(arms)}.** "
+            f"Answers: {'; '.join(answers)}.")
 
 
 def _profiles(records: list[BenchRecord]) -> list[str]:
@@ -185,6 +201,11 @@ def goal_section(groups: dict[GroupKey, GroupStats], records: list[BenchRecord],
     the records are sampled answers (`exact` None: nothing to compare), else "greedy"."""
     decoding = "sampled" if any(r.exact is None for r in records) else "greedy"
     lines = [f"### Goals ({decoding}, {target or 'target'}, profile {profile})", ""]
+    run_profiles = _profiles(records)
+    if profile not in run_profiles:
+        lines += [f"Profile {profile} was not among this run's link profiles "
+                  f"({', '.join(run_profiles) or 'no split methods'}): its split goals are not measured "
+                  f"(run with --profiles {profile}, or pick one with --goal-profile).", ""]
     lines += [f"- {g.line()}" for g in goals(groups, profile, records)]
     rows = feature_bytes(records, profile)
     if rows:

@@ -32,8 +32,9 @@ from splitspec.client.transport import RemoteVerifier
 from splitspec.shared.drafters.spec import SELF_DRAFTING, DrafterSpec
 from splitspec.shared.models import encode_chat, load_model, load_tokenizer, tokenizer_fingerprint
 
+from .out_paths import writable_file
 from .prompts import load_prompts
-from .service_process import free_port, start_server, stop_server
+from .service_process import free_port, sigterm_exits, start_server, stop_server
 
 
 @dataclass(frozen=True)
@@ -51,18 +52,21 @@ class ServeResult:
 
     @property
     def label(self) -> str:
-        """The max-batch column: '8', '8 (padded)' for the padded way of batching, '1 (graphs)',
-        with ', window W ms' where the bench set the batching window of a max batch above 1."""
-        if self.batching == "graphs":
-            base = f"{self.max_batch} (graphs)"
-        else:
-            base = f"{self.max_batch}" if self.batching == "ragged" or self.max_batch == 1 else \
-                f"{self.max_batch} ({self.batching})"
-        return base + (f", window {self.window_ms:g} ms" if self.window_ms is not None and self.max_batch > 1 else "")
+        return point_label(self.max_batch, self.batching, self.window_ms)
 
     @property
     def tok_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def point_label(max_batch: int, batching: str, window_ms: float | None) -> str:
+    """The max-batch column of a point: '8', '8 (padded)' for the padded way of batching, '1 (graphs)',
+    with ', window W ms' where the bench set the batching window of a max batch above 1."""
+    if batching == "graphs":
+        base = f"{max_batch} (graphs)"
+    else:
+        base = f"{max_batch}" if batching == "ragged" or max_batch == 1 else f"{max_batch} ({batching})"
+    return base + (f", window {window_ms:g} ms" if window_ms is not None and max_batch > 1 else "")
 
 
 def forward_batches(metrics_port: int) -> tuple[float, float]:
@@ -114,8 +118,9 @@ def run_clients(address: str, n: int, prompts: list[list[int]], drafter: Drafter
     `n` clients, read-only: `target_model` when given, else `shared_target` loads it here.
 
     Raises RuntimeError when a client cannot be set up (its drafter or the target does not load):
-    no client runs."""
-    tokens, rates, steps, errors = [0] * n, [0.0] * n, [], []
+    no client runs; or when a client stopped on an error other than the service refusing an answer
+    (a drafter or loop failure mid-run): its share would be missing from the tokens."""
+    tokens, rates, steps, errors, failures = [0] * n, [0.0] * n, [], [], []
     if target_model is None:
         target_model = shared_target(drafter, target)
     lock = threading.Lock()
@@ -151,6 +156,9 @@ def run_clients(address: str, n: int, prompts: list[list[int]], drafter: Drafter
                 tokens[i] += gen.stats.new_tokens
                 with lock:
                     steps.extend(c.rtt_ms for c in gen.stats.calls[1:])
+        except Exception as err:  # noqa: BLE001 - raised by run_clients once every client has stopped
+            with lock:
+                failures.append(f"client {i}: {type(err).__name__}: {err}")
         finally:
             rates[i] = tokens[i] / (time.perf_counter() - began)
             verifier.close()
@@ -174,6 +182,9 @@ def run_clients(address: str, n: int, prompts: list[list[int]], drafter: Drafter
     began = time.perf_counter()
     for t in threads:
         t.join()
+    if failures:
+        raise RuntimeError(f"{len(failures)} of {n} clients failed, so the point's throughput would be wrong: "
+                           + "; ".join(failures))
     if errors:
         print(f"{len(errors)} answers refused ({', '.join(sorted(set(errors)))}); their clients went on", file=sys.stderr)
     return sum(tokens), time.perf_counter() - began, rates, steps
@@ -230,17 +241,44 @@ def run_client_processes(address: str, n: int, processes: int, prompts: list[lis
             [s for o in outs for s in o[3]])
 
 
+def serve_points(batches: list[tuple[int, str]], windows: list[float]) -> list[tuple[int, str, float | None]]:
+    """The (max batch, batching, window ms or None) servers a run starts: every window for a max
+    batch above 1, no window at max batch 1.
+
+    Raises:
+        ValueError: two points with one label (the report would pool them; bench/cli.py refuses
+            such arguments already).
+    """
+    points = [(max_batch, batching, window) for max_batch, batching in batches
+              for window in (windows if max_batch > 1 else [None])]
+    labels = [point_label(*point) for point in points]
+    twice = sorted({label for label in labels if labels.count(label) > 1})
+    if twice:
+        raise ValueError(f"--max-batch and --batch-window-ms give the point {', '.join(twice)} more than once")
+    return points
+
+
 def cmd_serve_bench(args) -> None:
+    """Raises ValueError, OSError: repeated points, bad prompts or --out, before anything starts;
+    RuntimeError: a server or a client failed."""
     clients, batches = args.clients, args.max_batch  # parsed and checked by bench/cli.py
+    if args.limit < 1 or args.max_new_tokens < 1:
+        raise ValueError("--limit and --max-new-tokens must be >= 1")
+    points = serve_points(batches, args.batch_window_ms)
+    if args.out:
+        writable_file(args.out)
+    texts = load_prompts(["spec_bench"], args.limit, args.spec_bench)
+    with sigterm_exits():
+        _run_points(args, clients, points, texts)
+
+
+def _run_points(args, clients: list[int], points: list[tuple[int, str, float | None]], texts: list[dict]) -> None:
     tokenizer = load_tokenizer(args.target)
     fingerprint = tokenizer_fingerprint(tokenizer)
-    texts = load_prompts(["spec_bench"], args.limit, args.spec_bench)
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": p["text"]}]) for p in texts]
     drafter = DrafterSpec.parse(args.drafter)
     target_model = shared_target(drafter, args.target)  # once for every point run in this process
     results: list[ServeResult] = []
-    points = [(max_batch, batching, window) for max_batch, batching in batches
-              for window in (args.batch_window_ms if max_batch > 1 else [None])]
     for max_batch, batching, window in points:
         port, metrics_port = free_port(), free_port()
         graphs = ["--cuda-graphs"] if batching == "graphs" else []
@@ -276,10 +314,7 @@ def cmd_serve_bench(args) -> None:
     table = render(results, args)
     print(table)
     if args.out:
-        from pathlib import Path
-
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(table + "\n")
+        writable_file(args.out).write_text(table + "\n")
 
 
 def _processes_label(processes: int) -> str:
@@ -287,6 +322,14 @@ def _processes_label(processes: int) -> str:
 
 
 def render(results: list[ServeResult], args) -> str:
+    """The serve-bench table and goal lines.
+
+    Raises:
+        ValueError: two results of one (label, clients) point: their ratios would mix them.
+    """
+    points = [(r.label, r.clients) for r in results]
+    if len(set(points)) != len(points):
+        raise ValueError("serve-bench results hold one (max batch, clients) point twice")
     one = {r.label: r.tok_s for r in results if r.clients == 1}
     unbatched = {r.clients: r.tok_s for r in results if r.max_batch == 1 and r.batching != "graphs"}
     lines = [f"target {args.target}, drafter {args.drafter}, {args.seconds:g} s per point, up to "

@@ -42,11 +42,12 @@ from splitspec.server.runner import TargetRunner
 from splitspec.shared import kv
 from splitspec.shared.features import FeatureRequest
 from splitspec.shared.models import encode_chat, load_model, use_cudnn_attention
-from splitspec.shared.packed_linear import onednn_available, onednn_supports
+from splitspec.shared.packed_linear import onednn_available, onednn_supports, pack_linears
 from splitspec.shared.reference import target_greedy
 from splitspec.shared.sampling import SamplingParams
 from splitspec.shared.tree import DraftTree, tree_buffers
 
+from .cli import linear_backends
 from .prompts import load_prompts
 
 POSITIONS = (1, 2, 5, 9, 25)
@@ -66,13 +67,16 @@ RANDOM_SHAPES = {
 }
 
 
-def random_model(name: str, dtype: str, device: str):
+def random_model(name: str, dtype: str, device: str, linear: str = "torch"):
     """A Llama of the named shape (`RANDOM_SHAPES`) with random weights, built directly on `device`
-    in `dtype` (an 8B model never passes through fp32 or host memory). Figures timed on it are
-    shape figures, not a trained model's: say so wherever they are written.
+    in `dtype` (an 8B model never passes through fp32 or host memory), its linear layers on the CPU
+    prepacked as `load_model(..., linear=)` does a real target's (shared/packed_linear.py; "torch"
+    leaves them as nn.Linear). Figures timed on it are shape figures, not a trained model's: say so
+    wherever they are written.
 
     Raises:
-        ValueError: an unknown shape name.
+        ValueError: an unknown shape name or linear backend.
+        RuntimeError: linear "onednn" where oneDNN cannot serve the model (`pack_linears`).
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -82,9 +86,12 @@ def random_model(name: str, dtype: str, device: str):
     config = LlamaConfig(**RANDOM_SHAPES[name])
     with torch.device(device):
         model = LlamaForCausalLM._from_config(config, dtype=getattr(torch, dtype), attn_implementation="sdpa")
-    if torch.device(device).type == "cuda":
+    model.eval().requires_grad_(False)
+    if torch.device(device).type == "cpu":
+        pack_linears(model, linear)  # as load_model does for a CPU model
+    elif torch.device(device).type == "cuda":
         use_cudnn_attention()  # as load_model does for a CUDA model
-    return model.eval().requires_grad_(False)
+    return model
 
 
 def _sync(device: torch.device) -> None:
@@ -249,14 +256,19 @@ def _differ(diffs: list[int | None]) -> str:
 
 
 def cmd_verify_cost(args) -> None:
+    """The verify-cost command (module docstring).
+
+    Raises:
+        ValueError: bad counts, --linear or prompts (bench/prompts.py), before any model loads.
+        SystemExit: no CUDA device for --device cuda; a random target with --prompts.
+    """
+    if min(args.context, args.repeats, args.threads, args.new_tokens, args.batch_nodes) < 1 or args.prompts < 0:
+        raise ValueError("--context, --repeats, --threads, --new-tokens and --batch-nodes must be >= 1, --prompts >= 0")
     torch.set_num_threads(args.threads)
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("verify-cost --device cuda: torch sees no CUDA device here")
-    asked = {b.strip() for b in args.linear.split(",") if b.strip()}
-    if asked - {"torch", "onednn"}:
-        raise SystemExit(f"verify-cost --linear {args.linear}: expected torch and/or onednn")
-    linears = [b for b in ("torch", "onednn") if b in asked]  # torch first: the "1 pos vs torch" column's base
+    linears = linear_backends(args.linear)  # torch first: the "1 pos vs torch" column's base
     if "onednn" in linears and (device != "cpu" or not onednn_available()):
         print("verify-cost: no oneDNN prepacked linear here (a CPU-only path, or this torch build lacks it); "
               "measuring torch only", file=sys.stderr)
@@ -264,15 +276,20 @@ def cmd_verify_cost(args) -> None:
     randomised = args.target.startswith(RANDOM)
     if randomised and args.prompts:
         raise SystemExit(f"verify-cost --target {args.target}: random weights have no tokenizer; add --prompts 0")
+    texts = load_prompts(["spec_bench"], 1, args.spec_bench) if args.prompts else []  # one per category
+    if args.prompts > len(texts):
+        raise ValueError(f"--prompts {args.prompts}: the Spec-Bench questions have {len(texts)} categories, one "
+                         "prompt each")
+    texts = texts[: args.prompts]
     variants, tokenizer, model_id = {}, None, args.target
     for dtype in ("float32", "bfloat16"):
         for linear in linears:
-            if linear == "onednn" and not randomised and not onednn_supports(getattr(torch, dtype)):
+            if linear == "onednn" and not onednn_supports(getattr(torch, dtype)):
                 print(f"verify-cost: this CPU's oneDNN cannot prepack {dtype} weights (bf16: an AVX2-only CPU); "
                       f"{dtype} is measured with torch's linear alone", file=sys.stderr)
                 continue
             if randomised:
-                variants[(dtype, linear)] = random_model(args.target[len(RANDOM):], dtype, device)
+                variants[(dtype, linear)] = random_model(args.target[len(RANDOM):], dtype, device, linear)
                 model_id = f"{args.target} (random weights)"
                 continue
             model, tokenizer, model_id = load_model(args.target, device=device, dtype=dtype, linear=linear)
@@ -280,7 +297,6 @@ def cmd_verify_cost(args) -> None:
     for model in variants.values():
         ragged.enable(model)  # the attention the verify service runs (TargetRunner switches its model too)
     bandwidth = copy_bandwidth_gbs(device=device)
-    texts = load_prompts(["spec_bench"], 1, args.spec_bench)[: args.prompts] if args.prompts else []
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": p["text"]}]) for p in texts]
     where = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {args.threads} torch threads"
     lines = [f"target {model_id}, {where}, context {args.context} tokens, median of "

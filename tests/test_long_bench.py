@@ -17,7 +17,7 @@ def test_distinct_n_counts_repeated_ngrams():
 
 def test_long_bench_rows_are_exact_and_written(stories_path, tmp_path, capsys):
     out = tmp_path / "long.md"
-    args = SimpleNamespace(target=str(stories_path), drafter="ngram", lengths="24,40", penalty=1.2, penalty_window=16,
+    args = SimpleNamespace(target=str(stories_path), drafter="ngram", lengths=[24, 40], penalty=1.2, penalty_window=16,
                            threads=0, prompt="Tom had a big red ball.", out=str(out))
     cmd_long_bench(args)
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and line[2].isdigit()]
@@ -29,7 +29,7 @@ def test_long_bench_rows_are_exact_and_written(stories_path, tmp_path, capsys):
 
 
 def test_long_bench_refuses_lengths_past_the_context(stories_path):
-    args = SimpleNamespace(target=str(stories_path), drafter="ngram", lengths="100000", penalty=1.0, penalty_window=16,
+    args = SimpleNamespace(target=str(stories_path), drafter="ngram", lengths=[100000], penalty=1.0, penalty_window=16,
                            threads=0, prompt="Tom", out="")
     with pytest.raises(SystemExit, match="at most"):
         cmd_long_bench(args)
@@ -50,9 +50,25 @@ def test_long_bench_cut_short_keeps_the_pairs_it_measured(stories_path, tmp_path
 
     monkeypatch.setattr(reference, "target_greedy", dies_on_the_second_pair)
     out = tmp_path / "long.md"
-    args = SimpleNamespace(target=str(stories_path), drafter="ngram", lengths="24,40", penalty=1.2, penalty_window=16,
+    args = SimpleNamespace(target=str(stories_path), drafter="ngram", lengths=[24, 40], penalty=1.2, penalty_window=16,
                            threads=0, prompt="Tom had a big red ball.", out=str(out))
     with pytest.raises(KeyboardInterrupt):
         cmd_long_bench(args)
     rows = [line for line in out.read_text().splitlines() if line.startswith("| 24 | 1 |")]
     assert [r.split(" | ")[2] for r in rows] == ["generate()", "ngram"]
+
+
+def test_long_bench_fails_loudly_on_an_answer_that_is_not_its_baseline(stories_path, tmp_path, monkeypatch, capsys):
+    """A speculative answer unequal to its generate() baseline gets a WARNING line in the table and
+    --out, and the command fails (here the baseline is made wrong by hand)."""
+    from splitspec.shared import reference
+
+    original = reference.target_greedy
+    monkeypatch.setattr(reference, "target_greedy", lambda *a, **k: list(reversed(original(*a, **k))))
+    out = tmp_path / "long.md"
+    args = SimpleNamespace(target=str(stories_path), drafter="ngram", lengths=[24], penalty=1.0, penalty_window=16,
+                           threads=0, prompt="Tom had a big red ball.", out=str(out))
+    with pytest.raises(RuntimeError, match="1 speculative answers differ"):
+        cmd_long_bench(args)
+    assert "WARNING: ngram's answer differs from generate()'s at 24 tokens, penalty 1" in out.read_text()
+    assert "WARNING" in capsys.readouterr().out
