@@ -3,9 +3,9 @@
     client  generate, chat              (client/cli.py)
             up                          (client/daemon/cli.py)
     server  serve                       (server/cli.py)
-    train   train, draft-vocab          (train/cli.py)
+    train   train, train-bench, distill-data, draft-vocab, train-curve   (train/cli.py)
     netsim  netsim                      (netsim/cli.py)
-    bench   bench, offline-eval, demo   (bench/cli.py)
+    bench   bench, offline-eval, demo, serve-bench, verify-cost, long-bench   (bench/cli.py)
     here    pull
 
 Only this module imports across rooms to hand one room's parts to another: the in-process
