@@ -100,7 +100,7 @@ def accept_length_interval(records: Iterable[AnswerRecord], level: float = 0.95,
 
     _check_bootstrap(level, resamples)
     records = list(records)
-    tokens = np.array([r.new_tokens - 1 for r in records], dtype=np.float64)
+    tokens = np.array([r.verify_tokens for r in records], dtype=np.float64)  # as accept_length counts them
     calls = np.array([r.target_calls - 1 for r in records], dtype=np.float64)
     if int((calls > 0).sum()) < 2:
         return math.nan, math.nan

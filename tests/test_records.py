@@ -22,6 +22,14 @@ def test_interval_of_two_answers_spans_their_own_ratios():
     assert accept_length_interval(records) == (2.0, 4.0)
 
 
+def test_interval_leaves_out_unverified_tokens_as_tau_does():
+    """Tokens the client wrote offline (or kept, or private) were verified by no call: tau leaves
+    them out, and so must its interval, or it would not bracket tau."""
+    offline = [AnswerRecord(new_tokens=41, target_calls=11, elapsed_s=1.0, unverified_tokens=10)] * 3
+    assert accept_length(offline) == pytest.approx(3.0)
+    assert accept_length_interval(offline) == (pytest.approx(3.0), pytest.approx(3.0))
+
+
 def test_interval_collapses_when_every_answer_agrees_and_narrows_with_more_answers():
     same = [answer(30, 10)] * 5
     assert accept_length_interval(same) == (pytest.approx(3.0), pytest.approx(3.0))
