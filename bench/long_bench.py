@@ -23,6 +23,9 @@ DEFAULT_PROMPT = ("Write a long story about a lighthouse keeper who finds a mess
                   "chapters, characters and places.")
 
 
+WARMUP_TOKENS = 16  # new tokens of the untimed warm-up answers
+
+
 def distinct_n(tokens: list[int], n: int) -> float:
     """Distinct n-grams / all n-grams of `tokens` (1.0 for fewer than n tokens)."""
     grams = [tuple(tokens[i: i + n]) for i in range(len(tokens) - n + 1)]
@@ -64,6 +67,10 @@ def cmd_long_bench(args) -> None:
     drafter = make_drafter(spec, target_fingerprint=tokenizer_fingerprint(tokenizer),
                            target=args.target, target_model=model)
     decoder = SpeculativeDecoder(LocalVerifier(TargetRunner(model, tokenizer, model_id)), drafter)
+    # a short warm-up of both methods first: the first calls pay one-time costs (allocations,
+    # oneDNN primitives) that would otherwise land in the first row's generate() time
+    target_greedy(model, prompt, WARMUP_TOKENS)
+    decoder.generate(prompt, WARMUP_TOKENS, samplings[0], stop_on_eos=False)
     lossy = []  # (length, penalty) of speculative answers that differ from their baseline's
     lines = [f"target {model_id}, drafter {args.drafter}, {torch.get_num_threads()} torch threads, prompt of "
              f"{len(prompt)} tokens, greedy, EOS off", "",

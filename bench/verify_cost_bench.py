@@ -239,8 +239,17 @@ def greedy_mismatches(model, tokenizer, prompts: list[list[int]], new_tokens: in
         got = decoder.generate(prompt, new_tokens, stop_on_eos=False).tokens
         seconds += time.perf_counter() - start
         tokens += len(got)
-        out.append(next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None))
+        out.append(first_difference(ref, got))
     return out, tokens / seconds
+
+
+def first_difference(reference: list[int], answer: list[int]) -> int | None:
+    """The first position where `answer` differs from `reference`, or None when they are equal; an
+    answer that stops early or runs on differs where the shorter one ends."""
+    same = next((i for i, (a, b) in enumerate(zip(reference, answer)) if a != b), None)
+    if same is None and len(reference) != len(answer):
+        return min(len(reference), len(answer))
+    return same
 
 
 def _ratio(base: float | None, ms: float) -> str:

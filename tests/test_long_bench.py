@@ -36,15 +36,17 @@ def test_long_bench_refuses_lengths_past_the_context(stories_path):
 
 
 def test_long_bench_cut_short_keeps_the_pairs_it_measured(stories_path, tmp_path, monkeypatch):
-    """A run that dies in its second pair leaves the first pair's rows in --out."""
+    """A run that dies in its second pair leaves the first pair's rows in --out (after an untimed
+    warm-up answer)."""
+    from splitspec.bench.long_bench import WARMUP_TOKENS
     from splitspec.shared import reference
 
     calls = []
     original = reference.target_greedy
 
     def dies_on_the_second_pair(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
+        calls.append(args[2])  # new tokens
+        if len(calls) == 3:  # the warm-up, the first pair, the second pair
             raise KeyboardInterrupt
         return original(*args, **kwargs)
 
@@ -56,6 +58,7 @@ def test_long_bench_cut_short_keeps_the_pairs_it_measured(stories_path, tmp_path
         cmd_long_bench(args)
     rows = [line for line in out.read_text().splitlines() if line.startswith("| 24 | 1 |")]
     assert [r.split(" | ")[2] for r in rows] == ["generate()", "ngram"]
+    assert calls[:2] == [WARMUP_TOKENS, 24]
 
 
 def test_long_bench_fails_loudly_on_an_answer_that_is_not_its_baseline(stories_path, tmp_path, monkeypatch, capsys):

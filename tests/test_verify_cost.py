@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from splitspec.bench.verify_cost_bench import step_ms
+from splitspec.bench.verify_cost_bench import first_difference, step_ms
 
 from .test_model_families import _model
 
@@ -195,3 +195,11 @@ def test_verify_cost_skips_a_dtype_this_cpu_cannot_prepack(monkeypatch, capsys):
     assert [[c.strip() for c in row] for row in rows] == [["float32", "torch"], ["float32", "onednn"],
                                                           ["bfloat16", "torch"]]
     assert "cannot prepack bfloat16 weights" in captured.err
+
+
+def test_first_difference_counts_a_shorter_or_longer_answer():
+    """The agreement check compares whole answers: a prefix of the reference is not agreement."""
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 9, 3]) == 1
+    assert first_difference([1, 2, 3], [1, 2]) == 2
+    assert first_difference([1, 2], [1, 2, 3]) == 2
