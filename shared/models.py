@@ -358,8 +358,9 @@ def _package_dir(alias: Alias, install: bool) -> Path:
 
 def resolve(name: str) -> tuple[str, str]:
     """(path or hub id to load, display model id) for a model name without `@` options: an alias's
-    converted copy and its upstream id; a GGUF file's converted copy and its file stem; a local
-    folder's resolved path, twice (an id a client in another folder can load); else the name twice.
+    converted copy and its upstream id; a GGUF file's converted copy and the file's resolved path
+    (an id a client in another folder can load: it converts the file too); a local folder's
+    resolved path, twice; else the name twice.
 
     Raises:
         ValueError: a local file that is no .gguf, a folder named *.gguf, a GGUF that cannot be converted.
@@ -368,7 +369,7 @@ def resolve(name: str) -> tuple[str, str]:
     if alias is not None:
         return str(pull(alias.name)), alias.hf_id
     if is_gguf_path(name):
-        return str(pull(name)), Path(name).stem
+        return str(pull(name)), str(Path(name).resolve())
     if Path(name).exists():
         folder = str(_local_folder(name))
         return folder, folder

@@ -374,3 +374,12 @@ def test_draft_vocab_refuses_a_folder_as_out_and_leaves_no_temp_file(tmp_path, s
     with pytest.raises(ValueError, match=f"{out} is a folder"):
         make_counts(str(stories_path), out, conversations=[])
     assert [p.name for p in tmp_path.iterdir()] == ["dv"]
+
+
+def test_a_gguf_targets_id_is_its_resolved_path(cache, conversions, gguf, monkeypatch):
+    """The id a verify service reports for `--target file.gguf` must be one a client elsewhere can
+    load the tokenizer from (tokenizer_source): the file's resolved path, not its bare stem."""
+    monkeypatch.chdir(gguf.parent)
+    folder, model_id = models.resolve(gguf.name)  # given relative to the working folder
+    assert model_id == str(gguf.resolve())
+    assert models.tokenizer_source(model_id) == model_id and models.resolve(model_id)[0] == folder
