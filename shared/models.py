@@ -87,8 +87,10 @@ class ModelSpec:
         if not source:  # no "@" (or only a leading one)
             return cls(name)
         key, _, value = option.partition("=")
-        if key != "layers" or not value.isdigit() or int(value) < 1:
+        if key != "layers" or not (value.isascii() and value.isdigit()) or int(value) < 1:
             raise ValueError(f"bad model option {option!r}; expected @layers=N with N >= 1")
+        if "@layers=" in source and not Path(source).exists():
+            raise ValueError(f"model {name}: one @layers=N option at most")
         return cls(source, int(value))
 
 

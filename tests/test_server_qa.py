@@ -174,4 +174,8 @@ def test_a_local_folder_may_hold_an_at_sign(tmp_path, stories_path):
     assert models.ModelSpec.parse("org/model@layers=3") == models.ModelSpec("org/model", 3)
     with pytest.raises(ValueError, match="bad model option"):
         models.ModelSpec.parse("org/model@layers=0")
+    with pytest.raises(ValueError, match="bad model option"):  # int() reads it, but it is no N
+        models.ModelSpec.parse("org/model@layers=\uff13")
+    with pytest.raises(ValueError, match="one @layers=N option at most"):
+        models.ModelSpec.parse("org/model@layers=3@layers=2")
     models.load_tokenizer(str(folder))
