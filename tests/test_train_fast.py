@@ -1047,3 +1047,40 @@ def test_draft_vocab_counts_leave_out_the_split_seeds_heldout_conversations(stor
                                        for c in cs)
         assert (result["tokens"], result["heldout_tokens"]) == (answer_tokens(kept), answer_tokens(held))
     assert sharegpt_split(5, 0, convs)[1] != sharegpt_split(5, 4, convs)[1]
+
+
+def test_cached_examples_follow_a_data_file_distilled_again_unless_resuming(tmp_path, monkeypatch):
+    """A data file rewritten in place (same path, other answers): a new run (or --overwrite) must not
+    train on the examples of the old file; a resumed run keeps its own."""
+    import os
+
+    import splitspec.train.trainer as trainer
+    from splitspec.train.data import Example
+
+    calls = []
+
+    def fake_load(cfg, tokenizer):
+        calls.append(1)
+        return [Example([1, 2, 3, 4], [0, 1, 1, 1])], []
+
+    class Tok:
+        name_or_path = "tok"
+
+        def __len__(self):
+            return 100
+
+    monkeypatch.setattr(trainer, "load_examples", fake_load)
+    data = tmp_path / "answers.jsonl"
+    data.write_text("first\n")
+    out = tmp_path / "run"
+    cfg = TrainConfig(drafter="moa", target="t", out=out, data=str(data), max_tokens=2)
+    trainer.cached_examples(cfg, Tok())
+    trainer.cached_examples(cfg, Tok())
+    assert len(calls) == 1  # unchanged: read back
+    data.write_text("second, longer\n")
+    os.utime(data, ns=(1, 1))
+    trainer.cached_examples(TrainConfig(drafter="moa", target="t", out=out, data=str(data), max_tokens=2,
+                                        resume=True), Tok())
+    assert len(calls) == 1  # resumed: the run's own examples
+    trainer.cached_examples(cfg, Tok())
+    assert len(calls) == 2  # a new run: built from the file as it is now

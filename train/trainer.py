@@ -249,26 +249,45 @@ def cached_examples(cfg: TrainConfig, tokenizer) -> tuple[list[Example], list[li
     tokenize the conversations again (tens of minutes for a 5M-token budget on a 2-core CPU).
 
     The cache is used only when it was built from the same data, budget, length limit, split seed,
-    held-out count and tokenizer; otherwise it is rebuilt. Tests that pass their own
-    conversations bypass it."""
+    held-out count and tokenizer; otherwise it is rebuilt. A new run (or --overwrite) also needs the
+    data files unchanged since (size and modification time: a file distilled again in place holds
+    other answers); a resume keeps the run's own examples whatever became of the files. Tests that
+    pass their own conversations bypass it."""
     if cfg.conversations is not None:
         return load_examples(cfg, tokenizer)
     key = {"data": cfg.data, "max_tokens": cfg.max_tokens, "skip_tokens": cfg.skip_tokens, "max_len": cfg.max_len,
            "seed": cfg.seed, "split_seed": cfg.split_seed,
            "heldout": cfg.heldout, "tokenizer": getattr(tokenizer, "name_or_path", ""),
            "vocab_size": len(tokenizer)}
+    files = _data_files_state(cfg.data)
     path = cfg.out / EXAMPLES
     if path.exists():
         saved = torch.load(path, weights_only=False)
-        if saved.get("key") == key:
+        if saved.get("key") == key and (cfg.resume or saved.get("files") == files):
+            if saved.get("files") not in (None, files):  # None: a cache from before files were recorded
+                log.warning("the data files changed since this run began; the resumed run keeps its own examples")
             log.info("examples from %s", path)
             return [Example(*e) for e in saved["examples"]], saved["held"]
     examples, held = load_examples(cfg, tokenizer)
     cfg.out.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    torch.save({"key": key, "examples": [(e.input_ids, e.loss_mask) for e in examples], "held": held}, tmp)
+    torch.save({"key": key, "files": files, "examples": [(e.input_ids, e.loss_mask) for e in examples],
+                "held": held}, tmp)
     tmp.replace(path)
     return examples, held
+
+
+def _data_files_state(data: str) -> list[list]:
+    """[path, size, mtime_ns] of each --data file (none for sharegpt, a packaged dataset)."""
+    if data == "sharegpt":
+        return []
+    from .distill import parse_data_entry
+
+    state = []
+    for file in dict.fromkeys(parse_data_entry(entry)[0] for entry in data.split(",")):
+        stat = os.stat(file)
+        state.append([file, stat.st_size, stat.st_mtime_ns])
+    return state
 
 
 def can_compile(device: str) -> bool:
