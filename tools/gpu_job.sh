@@ -16,8 +16,9 @@
 #    checkpoints) on every distilled file for TRAIN_MIN minutes, the lr decay and staircase on the
 #    clock (--time-schedule); DRAFTERS=moa,eagle2,moa:tli=1 INIT=.gpu-c/init,moa-tli1=.gpu-d/moa-tli1
 #    continues the shipped moa-tli1 as well (tools/gpu_prepare.sh with WITH_TLI1=1 builds .gpu-d);
-# 3. copy what must survive under $OUT after each phase (at most 8 files of 16 MB come back), with
-#    train-profile.txt: torch.profiler over training steps 2-4 (operators by CUDA time, peak memory).
+# 3. copy what must survive under $OUT after each phase (at most 8 files of 16 MB come back: job.log,
+#    the grown .gz, one checkpoint per drafter, small.tgz with the cards, histories and profile.txt, which
+#    torch.profiler wrote over training steps 2-4, train.log; the call's bootstrap.log makes 7 with a pair).
 # Settings by environment: DEVICE DISTILL_S DBATCH DLIMIT DTURNS DCACHE TRAIN_MIN BATCH LR STAIRCASE MAXLEN EVALP R DRAFTERS INIT
 # CALL_END. CALL_END (epoch seconds, e.g. `CALL_END=$(( $(date +%s) + 545 ))` set at the start of the call's
 # command, before gpu_site.sh and bootstrap.sh) shortens TRAIN_MIN so that training, its final evaluation
@@ -49,6 +50,9 @@ if [ ! -f "$R/$GROWN" ] && [ -n "$CARRIED" ]; then  # distill-data extends a pla
     "$CARRIED" > "$R/$GROWN"
 fi
 records() { [ -f "$R/$GROWN" ] && echo $(( $(wc -l < "$R/$GROWN") - 1 )) || echo 0; }
+if [ -s "$R/$GROWN" ] && ! head -1 "$R/$GROWN" | grep -q '"cache": "static"'; then
+  DCACHE=dynamic  # a file an earlier fallback wrote: distill-data resumes only with the settings of its header
+fi
 distill() {  # $1 cache, $2 seconds; the header of the grown file fixes the settings (batch and device included)
   timeout "$2" splitspec distill-data --device "$DEVICE" --batch "$DBATCH" --turns "$DTURNS" --max-prompt-len 768 \
     --limit "$DLIMIT" --cache "$1" --out "$R/$GROWN" >> "$R/distill.log" 2>&1
@@ -62,6 +66,7 @@ if [ "$DISTILL_S" -gt 0 ]; then
     log "distill with the static cache failed (rc=$rc, nothing written): the growing cache for ${left}s"
     rm -f "$R/$GROWN"; distill dynamic "$left"; rc=$?
   fi
+  [ $rc -ne 0 ] && [ $rc -ne 124 ] && tail -c 1500 "$R/distill.log" >> "$OUT/job.log"  # why, in job.log
   log "distill rc=$rc records=$(records) ($(( $(date +%s) - D0 ))s)"
   [ "$(records)" -gt 0 ] && gzip -c "$R/$GROWN" > "$OUT/$GROWN.gz"
 fi
@@ -87,11 +92,19 @@ if [ $rc -eq 124 ] && ls "$R"/train/*/model.safetensors > /dev/null 2>&1; then
   # final held-out evaluation (minutes on a CPU dry run, seconds on a GPU): not a failure to retry
   log "timed out after the checkpoints were saved (final evaluation cut short): kept"; rc=0
 fi
+saved() { ls "$R"/train/*/model.safetensors > /dev/null 2>&1; }
 if [ $rc -ne 0 ]; then  # out of memory (any time): half the batch; a failure in the first 4 minutes with
-  # COMPILE=on: eager; another early failure under autocast: fp32
-  tr '\r' '\n' < "$R/train.log" | tail -c 3000 > "$OUT/train-bf16-failed.log"
-  left=$(python3 -c "print(max(0.5, $TRAIN_MIN - ($(date +%s) - $T1) / 60))")
-  if [ "$COMPILE" = on ] && [ $(( $(date +%s) - T1 )) -lt 240 ] && ! grep -qi "out of memory" "$R/train.log"; then
+  # COMPILE=on: eager; another early failure under autocast: fp32. Never once a checkpoint is saved (a
+  # retry starts afresh: the saved weights would be deleted), nor with under a minute left of the call
+  # (its copies must end inside it: CALL_END), and the failure's tail goes into job.log (at most 8 files
+  # come back from $OUT: a ninth could push out a checkpoint)
+  tr '\r' '\n' < "$R/train.log" | tail -c 3000 >> "$OUT/job.log"
+  left=$(python3 -c "print(round(min($TRAIN_MIN - ($(date +%s) - $T1) / 60, (${CALL_END:-10**12} - $(date +%s) - 100) / 60), 2))")
+  if saved; then
+    log "train failed after checkpoints were saved: kept, not retried"
+  elif python3 -c "import sys; sys.exit(0 if $left < 1 else 1)"; then
+    log "train failed with $left min left of the call: not retried"
+  elif [ "$COMPILE" = on ] && [ $(( $(date +%s) - T1 )) -lt 240 ] && ! grep -qi "out of memory" "$R/train.log"; then
     # --compile on CUDA had never run before session 48 (a missing triton or an inductor error, which
     # show in the first steps, would otherwise cost the call): the same run eager, on the time left;
     # a later failure is not retried, as the fp32 retry below, so the copies still end inside the call
@@ -112,6 +125,9 @@ done
 tar czf "$OUT/small.tgz" -C "$R" --exclude='*.safetensors' --exclude='*.pt' train 2>/dev/null
 tr '\r' '\n' < "$R/train.log" | grep -v "^train " | tail -c 6000 > "$OUT/train.log"
 tr '\r' '\n' < "$R/train.log" | grep "^train " | tail -3 >> "$OUT/train.log"
-cp "$R/train/profile.txt" "$OUT/train-profile.txt" 2>/dev/null  # where the step time went (--profile-steps)
+# where the step time went (--profile-steps): train/profile.txt, inside small.tgz
 log "done"
 ls -la "$OUT" >> "$OUT/job.log"
+files=$(find "$OUT" -type f | wc -l)
+[ "$files" -gt 8 ] && log "WARNING: $OUT holds $files files; at most 8 come back (the bootstrap log counts too)"
+true

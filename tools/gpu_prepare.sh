@@ -64,7 +64,11 @@ done
 shopt -u nullglob
 cp -r client/checkpoints/smollm2-135m/moa-tli0 client/checkpoints/smollm2-135m/eagle2 .gpu-c/init/
 if [ "${WITH_TLI1:-0}" = 1 ]; then mkdir -p .gpu-d && cp -r client/checkpoints/smollm2-135m/moa-tli1 .gpu-d/; fi
-[ -d .gpu-d ] && echo "gpu_prepare: .gpu-d holds $(ls .gpu-d | paste -sd' ' -): carry it in a fourth call before .gpu-c's"
+rm -f .gpu-c/needs-gpu-d
+if [ -d .gpu-d ]; then  # tools/gpu_site.sh refuses to go on without it (the job would redo what it holds)
+  echo "gpu_prepare: .gpu-d holds $(ls .gpu-d | paste -sd' ' -): carry it in a fourth call before .gpu-c's"
+  (cd .gpu-d && find . -type f | sort) > .gpu-c/needs-gpu-d
+fi
 rm -rf .gpu-e && mkdir -p .gpu-e/wheels && cp .gpu-a/*.whl .gpu-b/wheels/*.whl .gpu-c/wheels/*.whl .gpu-e/wheels/
 cp -r .gpu-c/stories260K .gpu-e/
 cp tools/gpu_job.sh .gpu-c/job.sh

@@ -9,7 +9,12 @@
 set -euo pipefail
 ln -sfn /tmp/gpu-a .gpu-a
 ln -sfn /tmp/gpu-b .gpu-b
-if [ -d /tmp/gpu-d ]; then ln -sfn /tmp/gpu-d .gpu-d; fi  # WITH_TLI1=1 in tools/gpu_prepare.sh
+if [ -d /tmp/gpu-d ]; then ln -sfn /tmp/gpu-d .gpu-d; fi  # D_DATA files, WITH_TLI1=1 (tools/gpu_prepare.sh)
+if [ -f .gpu-c/needs-gpu-d ] && [ ! -d /tmp/gpu-d ]; then  # without it the job would redo its distillation
+  echo "gpu_site: .gpu-d was prepared ($(paste -sd' ' - < .gpu-c/needs-gpu-d)) but no call carried it:" \
+       "run the call carrying [\".gpu-d\"] (rm -rf /tmp/gpu-d && cp -r .gpu-d /tmp/gpu-d), then this one again" >&2
+  exit 3
+fi
 rm -rf /tmp/gpu-c && cp -r .gpu-c /tmp/gpu-c
 mkdir -p /tmp/site
 python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .gpu-b/wheels/*.whl .gpu-c/wheels/*.whl
