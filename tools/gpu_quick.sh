@@ -17,18 +17,19 @@ set -u
 T0=$(date +%s); BUDGET_S=${BUDGET_S:-270}; DEVICE=${DEVICE:-cuda}; SHAPE=${SHAPE:-llama-8b}
 mkdir -p "$OUT" /tmp/site
 log() { echo "[$(( $(date +%s) - T0 ))s] $*" >> "$OUT/quick.log"; }
-left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
+# seconds left of BUDGET_S, at least 1: `timeout 0` would mean no limit at all
+left() { local n=$(( BUDGET_S - ($(date +%s) - T0) )); echo $(( n > 1 ? n : 1 )); }
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .gpu-e/wheels/*.whl >> "$OUT/quick.log" 2>&1
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site . >> "$OUT/quick.log" 2>&1
 export PYTHONPATH=/tmp/site
 log "installed"
 nvidia-smi --query-gpu=name,memory.total --format=csv >> "$OUT/quick.log" 2>&1
-SPLITSPEC_TEST_DEVICE=$DEVICE SPLITSPEC_STORIES=.gpu-e/stories260K/hf timeout $(( $(left) / 3 )) \
+SPLITSPEC_TEST_DEVICE=$DEVICE SPLITSPEC_STORIES=.gpu-e/stories260K/hf timeout $(( $(left) / 3 + 1 )) \
   python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py > "$OUT/test-cuda.log" 2>&1
 log "tests/test_cuda.py rc=$? ($(tail -1 "$OUT/test-cuda.log"))"
-timeout $(( $(left) / 3 )) python3 -u -m splitspec.cli.main verify-cost --device "$DEVICE" --target random:smollm2-135m \
+timeout $(( $(left) / 3 + 1 )) python3 -u -m splitspec.cli.main verify-cost --device "$DEVICE" --target random:smollm2-135m \
   --prompts 0 --linear torch --repeats 20 --cuda-graphs --context 512 --batches 1,4,8,16 > "$OUT/vc-smollm2-shape.md" 2>&1
 log "smollm2 shape rc=$?"
-timeout $(( $(left) - 5 )) python3 -u -m splitspec.cli.main verify-cost --device "$DEVICE" --target "random:$SHAPE" \
+timeout $(( $(left) > 6 ? $(left) - 5 : 1 )) python3 -u -m splitspec.cli.main verify-cost --device "$DEVICE" --target "random:$SHAPE" \
   --prompts 0 --linear torch --repeats 10 --cuda-graphs --context 1024 --batches 1,4,8 > "$OUT/vc-$SHAPE.md" 2>&1
 log "$SHAPE shape rc=$?"
