@@ -8,7 +8,6 @@ the installed `splitspec` tree (or the checkout), so that shared/ imports no roo
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from splitspec.shared.models import ModelSpec
@@ -52,9 +51,6 @@ def has_shipped_checkpoint(target: str | None, kind: str = "moa") -> bool:
     layers = ModelSpec.parse(target).layers
     if layers is None:
         return True
-    try:
-        trained_for = json.loads((folder / "drafter.json").read_text())["target"]["num_layers"]
-    except (ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"drafter checkpoint {folder / 'drafter.json'}: no target.num_layers ({err}); the "
-                         "checkpoint is damaged or from another splitspec version") from err
-    return trained_for == layers
+    from .checkpoint import read_config  # torch and the drafter modules: only when a depth is asked
+
+    return read_config(folder)[1].num_layers == layers
