@@ -277,17 +277,19 @@ def cached_examples(cfg: TrainConfig, tokenizer) -> tuple[list[Example], list[li
     return examples, held
 
 
-def _data_files_state(data: str) -> list[list]:
-    """[path, size, mtime_ns] of each --data file (none for sharegpt, a packaged dataset)."""
+def data_files(data: str) -> list[str]:
+    """The distill-data files a --data value names, each once, without record ranges (none for
+    sharegpt, a packaged dataset)."""
     if data == "sharegpt":
         return []
     from .distill import parse_data_entry
 
-    state = []
-    for file in dict.fromkeys(parse_data_entry(entry)[0] for entry in data.split(",")):
-        stat = os.stat(file)
-        state.append([file, stat.st_size, stat.st_mtime_ns])
-    return state
+    return list(dict.fromkeys(parse_data_entry(entry)[0] for entry in data.split(",")))
+
+
+def _data_files_state(data: str) -> list[list]:
+    """[path, size, mtime_ns] of each --data file."""
+    return [[file, (stat := os.stat(file)).st_size, stat.st_mtime_ns] for file in data_files(data)]
 
 
 def can_compile(device: str) -> bool:
@@ -484,10 +486,10 @@ def check_data_targets(cfg: TrainConfig, model_id: str) -> None:
     Raises:
         ValueError: a file's header names another model, or none.
     """
-    if cfg.conversations is None and cfg.data != "sharegpt":
-        from .distill import check_target, parse_data_entry
+    if cfg.conversations is None:
+        from .distill import check_target
 
-        for path in dict.fromkeys(parse_data_entry(entry)[0] for entry in cfg.data.split(",")):
+        for path in data_files(cfg.data):
             check_target(path, model_id)
 
 
