@@ -326,6 +326,33 @@ def test_a_second_request_is_refused_or_queued_never_interleaved(runner, start, 
     assert [results[i].json()["choices"][0]["message"]["content"] for i in range(2)] == refs
 
 
+def test_stopping_the_daemon_ends_the_requests_in_flight_with_503(runner, start, gated):
+    """What SIGINT / SIGTERM do (DaemonServer.stop, uvicorn's handle_exit): the running and the
+    waiting request get a 503 `shutting_down` error object (the stream: an error event, then
+    [DONE]) instead of a bare 500 or a cut connection when uvicorn cancels their handlers."""
+    server = start(_local_setup(runner, gated), max_queue=1)
+    results = {}
+
+    def stream() -> None:
+        body = json.dumps(_request(runner.model_id, stream=True))
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", content=body, timeout=60,
+                          headers={"Content-Type": "application/json"}) as reply:
+            results["stream"] = list(reply.iter_lines())
+
+    running = threading.Thread(target=lambda: results.setdefault("post", _post(server, _request(runner.model_id))))
+    running.start()
+    _wait_for(server, lambda h: h["busy"])
+    waiting = threading.Thread(target=stream)
+    waiting.start()
+    _wait_for(server, lambda h: h["waiting"] == 1)
+    server.stop()
+    running.join(30)
+    waiting.join(30)
+    assert results["post"].status_code == 503 and results["post"].json()["error"]["code"] == "shutting_down"
+    events = [line for line in results["stream"] if line]
+    assert '"shutting_down"' in events[-2] and events[-1] == "data: [DONE]", events
+
+
 def test_client_leaving_mid_stream_cancels_the_answer_and_the_daemon_serves_on(runner, start, gated, expected):
     gated.delay_s = 0.05
     server = start(_local_setup(runner, gated))
@@ -647,8 +674,10 @@ def test_ctrl_c_during_a_long_prefill_exits_promptly(stories_path, tmp_path):
                 url = line.split()[-1]
                 break
         assert url is not None, child.stderr.read()
-        request = threading.Thread(target=lambda: httpx.post(f"{url}/chat/completions", timeout=60,
-                                                             json=_request(str(stories_path))), daemon=True)
+        replies = []
+        request = threading.Thread(target=lambda: replies.append(httpx.post(f"{url}/chat/completions", timeout=60,
+                                                                            json=_request(str(stories_path)))),
+                                   daemon=True)
         request.start()
         assert any("prefill started" in line for line in child.stdout)
         start = time.monotonic()
@@ -657,6 +686,10 @@ def test_ctrl_c_during_a_long_prefill_exits_promptly(stories_path, tmp_path):
         elapsed = time.monotonic() - start
         assert status == 130 and elapsed < 30, (status, elapsed)
         assert "abandoned" in child.stderr.read()
+        # the client in flight was told why (it got a bare 500 when uvicorn cancelled its handler)
+        request.join(timeout=10)
+        assert replies and replies[0].status_code == 503, replies and replies[0].text
+        assert replies[0].json()["error"]["code"] == "shutting_down"
     finally:
         if child.poll() is None:
             child.kill()

@@ -137,8 +137,8 @@ class DaemonServer:
         self.socket = socket.create_server((host, port), family=family)
         self.host, self.port = host, self.socket.getsockname()[1]
         self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
-                                                    timeout_graceful_shutdown=2))
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
+        self.server = _uvicorn_server(config, on_exit=self._shut_down_engine)
         self.thread: threading.Thread | None = None
 
     @property
@@ -170,16 +170,37 @@ class DaemonServer:
         raise RuntimeError(f"the daemon did not start within {timeout_s:g} s")
 
     def stop(self) -> None:
+        self._shut_down_engine()
         self.server.should_exit = True
         if self.thread is not None:
             self.thread.join(timeout=10)
         self._close_engine()
         self.socket.close()
 
+    def _shut_down_engine(self) -> None:
+        engine = getattr(self.app.state, "engine", None)
+        if engine is not None:
+            engine.shut_down()
+
     def _close_engine(self) -> None:
         engine = getattr(self.app.state, "engine", None)
         if engine is not None:
             engine.close()
+
+
+def _uvicorn_server(config, on_exit):
+    """A uvicorn server that first calls `on_exit` (Engine.shut_down: the requests in flight end with
+    a clear 503) when a signal stops it; uvicorn alone would cancel them after its graceful-shutdown
+    timeout, and a client would get a bare 500 or a cut stream. uvicorn loads here (the extra)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # a signal handler may run while this thread holds the engine's lock: not on this thread
+            threading.Thread(target=on_exit, name="splitspec-shutdown", daemon=True).start()
+            super().handle_exit(sig, frame)
+
+    return Server(config)
 
 
 def loopback_host(host: str) -> bool:

@@ -77,7 +77,7 @@ class Failed:
 Sink = Callable[[object], None]  # receives Delta, then Finished or Failed, from the worker thread
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: the engine keeps its live jobs in a set
 class Job:
     """One accepted request; `cancel` ends it at the next token (or before it starts).
     `on_cancel` runs after each cancel (the engine frees a waiting job's queue place)."""
@@ -103,6 +103,12 @@ class Busy(ApiError):
                          type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
 
 
+class ShuttingDown(ApiError):
+    def __init__(self) -> None:
+        super().__init__(503, "the daemon is shutting down; an answer cut short keeps what was written in the "
+                              "chat history", type="server_error", code="shutting_down")
+
+
 class Engine:
     """Runs completions on `setup`'s decoder, one at a time."""
 
@@ -118,6 +124,8 @@ class Engine:
         self._idle = threading.Condition(self._lock)  # notified when the running answer ends
         self.running = 0  # 0 or 1: an answer the worker took and has not finished
         self.pending = 0  # running + waiting
+        self._jobs: set[Job] = set()  # running and waiting, until counted out (`_leave`)
+        self.closing = False  # `shut_down` was called: requests are refused
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "refused": 0}
 
     # --- requests -----------------------------------------------------------------------------
@@ -173,12 +181,15 @@ class Engine:
                            param="splitspec.conversation", code="conversation_not_found")
         prompt_ids, privacy, max_new = self.prepare(completion)
         sampling = self.sampling(completion)
+        job = Job(completion, prompt_ids, privacy, sink)
         with self._lock:
+            if self.closing:
+                raise ShuttingDown()
             if self.pending > self.config.max_queue:
                 self.counts["refused"] += 1
                 raise Busy(self.pending - 1)
             self.pending += 1
-        job = Job(completion, prompt_ids, privacy, sink)
+            self._jobs.add(job)
         job.on_cancel = lambda: self._cancelled(job)
         self._worker.submit(self._run, job, sampling, max_new)
         return job
@@ -186,6 +197,18 @@ class Engine:
     def status(self) -> dict:
         with self._lock:
             return {"busy": self.pending > 0, "waiting": max(0, self.pending - 1), "requests": dict(self.counts)}
+
+    def shut_down(self) -> None:
+        """The daemon is stopping: every running and waiting request ends now with 503
+        (`ShuttingDown`) instead of being cut off by the HTTP server's shutdown, and later ones are
+        refused. The running answer ends at its next token; what it wrote stays in the chat
+        history (marked incomplete). Safe from any thread; not from a signal handler (it locks)."""
+        with self._lock:
+            self.closing = True
+            jobs = list(self._jobs)
+        for job in jobs:
+            job.sink(Failed(ShuttingDown()))  # a listener reads the first Failed only
+            job.cancel()
 
     def close(self) -> None:
         """Stop taking work; the running answer ends at its next token."""
@@ -209,6 +232,7 @@ class Engine:
         """Count `job` out of the pending requests, once (call under the lock)."""
         if not job.left:
             job.left = True
+            self._jobs.discard(job)
             self.pending -= 1
             self.counts[outcome] += 1
 
