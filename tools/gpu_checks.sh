@@ -38,7 +38,7 @@ budget() {
   echo $(( left < $1 ? left : $1 ))
 }
 log "tests/test_cuda.py"
-t=$(budget 240) && SPLITSPEC_STORIES=${SPLITSPEC_STORIES:-/tmp/gpu-c/stories260K/hf} timeout "$t" python3 -m pytest -q -p no:cacheprovider \
+t=$(budget 240) && SPLITSPEC_STORIES=${SPLITSPEC_STORIES:-/tmp/gpu-c/stories260K/hf} PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 timeout "$t" python3 -m pytest -q -p no:cacheprovider -p pytest_timeout \
   tests/test_cuda.py > "$OUT/test-cuda.log" 2>&1; log "rc=$? ($(tail -1 "$OUT/test-cuda.log"))"
 # first the step timings with CUDA graphs (new in session 39): the serve-bench below repeats session 37's
 # figures apart from its 1:graphs points, so a short device window keeps what it has not measured yet

@@ -19,7 +19,8 @@
 # 3. copy what must survive under $OUT after each phase (at most 8 files of 16 MB come back: job.log,
 #    the grown .gz, one checkpoint per drafter, small.tgz with the cards, histories and profile.txt, which
 #    torch.profiler wrote over training steps 2-4, train.log; the call's bootstrap.log makes 7 with a pair).
-# Settings by environment: DEVICE DISTILL_S DBATCH DLIMIT DTURNS DCACHE TRAIN_MIN BATCH LR STAIRCASE MAXLEN EVALP R DRAFTERS INIT
+# INIT=/tmp/run/train.prev continues the previous call's training on the same warm machine (its run is
+# moved there, not deleted). Settings by environment: DEVICE DISTILL_S DBATCH DLIMIT DTURNS DCACHE TRAIN_MIN BATCH LR STAIRCASE MAXLEN EVALP R DRAFTERS INIT
 # CALL_END. CALL_END (epoch seconds, e.g. `CALL_END=$(( $(date +%s) + 545 ))` set at the start of the call's
 # command, before gpu_site.sh and bootstrap.sh) shortens TRAIN_MIN so that training, its final evaluation
 # and the copies end before it: in session 41 the bootstrap's minute ran outside the job's clock and the
@@ -33,13 +34,28 @@ T0=$(date +%s)
 DEVICE=${DEVICE:-cuda}; DISTILL_S=${DISTILL_S:-150}; DBATCH=${DBATCH:-384}; DLIMIT=${DLIMIT:-1000000}; TRAIN_MIN=${TRAIN_MIN:-4.3}
 DTURNS=${DTURNS:-middle}; DCACHE=${DCACHE:-static}
 # batch 128 fits the H200's 141 GB; on an 80 GB H100 it ran out of memory after 82 s in session 41
-# (moa's step peaks at 37.6 GiB at batch 64), so the default follows the card's memory
+# (moa's step peaks at 37.6 GiB at batch 64), so the default follows the card's memory, and is halved
+# when DRAFTERS names two MoA drafters (moa and moa:tli=1 at 128: ~150 GiB, more than an H200 holds)
 GPU_GIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
-BATCH=${BATCH:-$([ "${GPU_GIB:-0}" -gt 100000 ] 2>/dev/null && echo 128 || echo 64)}; LR=${LR:-1.5e-4}; STAIRCASE=${STAIRCASE:-0.0}; MAXLEN=${MAXLEN:-1024}; EVALP=${EVALP:-2}
 DRAFTERS=${DRAFTERS:-moa,eagle2}; INIT=${INIT:-.gpu-c/init}
+MOAS=$(echo "$DRAFTERS" | tr ',' '\n' | grep -c '^moa')
+BATCH=${BATCH:-$(( $([ "${GPU_GIB:-0}" -gt 100000 ] 2>/dev/null && echo 128 || echo 64) / (MOAS > 1 ? 2 : 1) ))}; LR=${LR:-1.5e-4}; STAIRCASE=${STAIRCASE:-0.0}; MAXLEN=${MAXLEN:-1024}; EVALP=${EVALP:-2}
 COMPILE=${COMPILE:-auto}  # train --compile: auto is off on a GPU; a CPU dry run sets off (its compile outlasts 0.3 min)
 R=${R:-/tmp/run}; mkdir -p "$R" "$OUT"
 log() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/job.log"; }
+# what the job needs, before any minute is spent: a later call whose tree lacks a carried folder
+# (or has a dangling link) would otherwise train on a subset of the data, or fail after loading
+case "$DISTILL_S" in ''|*[!0-9]*) log "DISTILL_S must be whole seconds, not '$DISTILL_S'"; exit 2;; esac
+for d in .gpu-b/data .gpu-c/data; do
+  [ -d "$d" ] || { log "$d is missing (carry the folders as the plan says; .gpu-b through tools/gpu_site.sh)"; exit 2; }
+done
+# the last call's run, when it saved checkpoints, becomes $R/train.prev (INIT=$R/train.prev continues
+# it on a warm machine); one that saved none is dropped (train refuses a folder holding a run)
+if ls "$R"/train/*/model.safetensors > /dev/null 2>&1; then rm -rf "$R/train.prev"; mv "$R/train" "$R/train.prev"; fi
+rm -rf "$R/train"
+for spec in ${INIT//,/ }; do  # a folder, or name=folder for one drafter
+  [ -e "${spec#*=}" ] || { log "INIT names ${spec#*=}, which is missing"; exit 2; }
+done
 nvidia-smi --query-gpu=name,memory.total --format=csv >> "$OUT/job.log" 2>&1
 python3 -c "import torch, transformers; print('torch', torch.__version__, torch.cuda.is_available(), 'transformers', transformers.__version__)" >> "$OUT/job.log" 2>&1
 
@@ -85,7 +101,7 @@ train() {  # $1 dtype, $2 minutes, $3 run folder
     --eval-prompts "$EVALP" --heldout 16 --profile-steps 3 --out "$3" > "$3.log" 2>&1
 }
 log "train start ($DRAFTERS from $INIT, ${TRAIN_MIN} min, batch $BATCH, lr $LR, staircase $STAIRCASE, max-len $MAXLEN; data $DATA)"
-rm -rf "$R/train"; T1=$(date +%s); train bfloat16 "$TRAIN_MIN" "$R/train"; rc=$?  # train refuses a folder holding a run
+T1=$(date +%s); train bfloat16 "$TRAIN_MIN" "$R/train"; rc=$?  # train refuses a folder holding a run
 log "train rc=$rc"
 if [ $rc -eq 124 ] && ls "$R"/train/*/model.safetensors > /dev/null 2>&1; then
   # the clock stopped training and the checkpoints were written; what ran past the grace was the
@@ -126,7 +142,7 @@ tar czf "$OUT/small.tgz" -C "$R" --exclude='*.safetensors' --exclude='*.pt' trai
 tr '\r' '\n' < "$R/train.log" | grep -v "^train " | tail -c 6000 > "$OUT/train.log"
 tr '\r' '\n' < "$R/train.log" | grep "^train " | tail -3 >> "$OUT/train.log"
 # where the step time went (--profile-steps): train/profile.txt, inside small.tgz
-log "done"
+log "done; checkpoints: $(cd "$R/train" 2>/dev/null && ls -d */model.safetensors 2>/dev/null | cut -d/ -f1 | paste -sd' ' -)"
 ls -la "$OUT" >> "$OUT/job.log"
 files=$(find "$OUT" -type f | wc -l)
 [ "$files" -gt 8 ] && log "WARNING: $OUT holds $files files; at most 8 come back (the bootstrap log counts too)"

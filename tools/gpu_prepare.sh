@@ -71,7 +71,7 @@ if [ -d .gpu-d ]; then  # tools/gpu_site.sh refuses to go on without it (the job
 fi
 rm -rf .gpu-e && mkdir -p .gpu-e/wheels && cp .gpu-a/*.whl .gpu-b/wheels/*.whl .gpu-c/wheels/*.whl .gpu-e/wheels/
 cp -r .gpu-c/stories260K .gpu-e/
-cp tools/gpu_job.sh .gpu-c/job.sh
+cp tools/gpu_job.sh .gpu-c/job.sh  # a fallback: the plan runs tools/gpu_job.sh, which the tree carries fresh
 cp "$root/../shared/data/spec_bench/question.jsonl" .gpu-c/  # tools/gpu_checks.sh's prompts (no ../shared there)
 du -sh .gpu-a .gpu-b .gpu-c .gpu-e $([ -d .gpu-d ] && echo .gpu-d)
 # a call carries the checkout's tracked files (what slim.sh leaves: ~2.6 MB) with the folder: 64 MiB in all

@@ -24,8 +24,8 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --
 export PYTHONPATH=/tmp/site
 log "installed"
 nvidia-smi --query-gpu=name,memory.total --format=csv >> "$OUT/quick.log" 2>&1
-SPLITSPEC_TEST_DEVICE=$DEVICE SPLITSPEC_STORIES=.gpu-e/stories260K/hf timeout $(( $(left) / 3 + 1 )) \
-  python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py > "$OUT/test-cuda.log" 2>&1
+SPLITSPEC_TEST_DEVICE=$DEVICE SPLITSPEC_STORIES=.gpu-e/stories260K/hf PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 \
+  timeout $(( $(left) / 3 + 1 )) python3 -m pytest -q -p no:cacheprovider -p pytest_timeout tests/test_cuda.py > "$OUT/test-cuda.log" 2>&1
 log "tests/test_cuda.py rc=$? ($(tail -1 "$OUT/test-cuda.log"))"
 timeout $(( $(left) / 3 + 1 )) python3 -u -m splitspec.cli.main verify-cost --device "$DEVICE" --target random:smollm2-135m \
   --prompts 0 --linear torch --repeats 20 --cuda-graphs --context 512 --batches 1,4,8,16 > "$OUT/vc-smollm2-shape.md" 2>&1

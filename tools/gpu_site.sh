@@ -17,4 +17,4 @@ if [ -f .gpu-c/needs-gpu-d ] && [ ! -d /tmp/gpu-d ]; then  # without it the job 
 fi
 rm -rf /tmp/gpu-c && cp -r .gpu-c /tmp/gpu-c
 mkdir -p /tmp/site
-python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .gpu-b/wheels/*.whl .gpu-c/wheels/*.whl
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .gpu-b/wheels/*.whl .gpu-c/wheels/*.whl
