@@ -596,14 +596,47 @@ def server_options(limits: ServerLimits) -> list[tuple[str, int]]:
 
 
 def service_handlers(servicer: VerifyServicer) -> grpc.GenericRpcHandler:
-    """The VerifyService methods, registered with lenient request parsers (see MalformedRequest)."""
+    """The VerifyService methods, registered with lenient request parsers (see MalformedRequest).
+
+    Each is unary on the wire, but served as a client-streaming handler that demands exactly one
+    request message (`_one_request`): grpc.aio's unary path never answers a call whose client
+    half-closes without a message (the call hung until the server stopped), and silently dropped a
+    second message."""
     handlers = {}
     for method in pb.DESCRIPTOR.services_by_name["VerifyService"].methods:
         request_cls = getattr(pb, method.input_type.name)
-        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, method.name), request_deserializer=_lenient_parser(request_cls),
+        handlers[method.name] = grpc.stream_unary_rpc_method_handler(
+            _one_request(servicer, method.name), request_deserializer=_lenient_parser(request_cls),
             response_serializer=lambda reply: reply.SerializeToString())
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+def _one_request(servicer: VerifyServicer, name: str):
+    """A stream-unary handler around the servicer's unary method `name`: it runs once the client
+    has half-closed (as gRPC Java's unary calls do), and a call that carried no request message or
+    more than one is refused with INVALID_ARGUMENT."""
+    handler = getattr(servicer, name)
+
+    async def one(requests, context):
+        received = [request async for request in _at_most(requests, 2)]
+        if len(received) != 1:
+            servicer.metrics.refused(name, grpc.StatusCode.INVALID_ARGUMENT.name)
+            log.debug("%s refused: %d request messages", name, len(received))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{name} takes exactly one request message; the call carried "
+                                f"{'none' if not received else 'more than one'}")
+        return await handler(received[0], context)
+    return one
+
+
+async def _at_most(requests, n: int):
+    """The first `n` messages of an async request stream (stops reading after the n-th)."""
+    count = 0
+    async for request in requests:
+        yield request
+        count += 1
+        if count == n:
+            return
 
 
 async def create_server(runner: TargetRunner, address: str = "127.0.0.1:0",

@@ -409,6 +409,8 @@ def test_bad_inputs_refused_without_model_work(spied, serve):
     short_data = codec.encode(probs, codec=pb.CODEC_NONE)
     short_data.data = short_data.data[:-4]
     raw_verify = channel.unary_unary("/splitspec.v1.VerifyService/Verify")  # bytes in, bytes out
+    streamed_info = channel.stream_unary("/splitspec.v1.VerifyService/Info")  # a buggy client's call
+    info_bytes, bearer = pb.InfoRequest().SerializeToString(), (("authorization", f"Bearer {TOKEN}"),)
     cases = {
         "oversize tree": (C.RESOURCE_EXHAUSTED, lambda: _verify(stub, sid, 1, tokens=[3] * 9, parents=[-1] * 9)),
         "too deep tree": (C.RESOURCE_EXHAUSTED,
@@ -435,6 +437,10 @@ def test_bad_inputs_refused_without_model_work(spied, serve):
         "step out of order": (C.FAILED_PRECONDITION, lambda: _verify(stub, sid, 3)),
         "unparseable bytes": (C.INVALID_ARGUMENT, lambda: raw_verify(b"\xff\xff\xff\xff\x0f", timeout=10)),
         "oversize message": (C.RESOURCE_EXHAUSTED, lambda: _open(stub, fp, prompt=[300] * 40_000)),
+        # half-closed without a message: never answered before (grpc.aio's unary path)
+        "no request message": (C.INVALID_ARGUMENT, lambda: streamed_info(iter(()), timeout=10, metadata=bearer)),
+        "two request messages": (C.INVALID_ARGUMENT,
+                                 lambda: streamed_info(iter((info_bytes, info_bytes)), timeout=10, metadata=bearer)),
     }
     for label, (code, call) in cases.items():
         before = spy.calls
