@@ -136,7 +136,7 @@ def _refusals(method):
             if err.retry_after_s is not None:
                 pushback_ms = max(1, round(err.retry_after_s * 1e3))
                 context.set_trailing_metadata((("grpc-retry-pushback-ms", str(pushback_ms)),))
-            await context.abort(err.code, err.message)
+            await context.abort(err.code, _bounded(err.message))
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as err:  # noqa: BLE001 - the server must survive any one request
@@ -145,6 +145,16 @@ def _refusals(method):
                       "".join(traceback.format_tb(err.__traceback__)))  # frames only: no message, no values
             await context.abort(grpc.StatusCode.INTERNAL, _internal_message(name, request))
     return wrapper
+
+
+MAX_STATUS_CHARS = 1024  # a status message travels in one HTTP/2 trailer; 8 KiB is gRPC's soft limit
+
+
+def _bounded(message: str) -> str:
+    """A refusal's message cut to MAX_STATUS_CHARS: one that quotes a long request field would
+    exceed the client's metadata limit, and the client would see RESOURCE_EXHAUSTED "Stream
+    removed" instead of the refusal."""
+    return message if len(message) <= MAX_STATUS_CHARS else message[:MAX_STATUS_CHARS - 15] + " ... (cut short)"
 
 
 def _internal_message(name: str, request) -> str:

@@ -410,6 +410,9 @@ def test_bad_inputs_refused_without_model_work(spied, serve):
     short_data.data = short_data.data[:-4]
     raw_verify = channel.unary_unary("/splitspec.v1.VerifyService/Verify")  # bytes in, bytes out
     streamed_info = channel.stream_unary("/splitspec.v1.VerifyService/Info")  # a buggy client's call
+    many_axes = codec.encode(ids)
+    del many_axes.shape[:]
+    many_axes.shape.extend([1] * 2000)  # a refusal quoting it whole made a trailer the client could not take
     info_bytes, bearer = pb.InfoRequest().SerializeToString(), (("authorization", f"Bearer {TOKEN}"),)
     cases = {
         "oversize tree": (C.RESOURCE_EXHAUSTED, lambda: _verify(stub, sid, 1, tokens=[3] * 9, parents=[-1] * 9)),
@@ -437,6 +440,9 @@ def test_bad_inputs_refused_without_model_work(spied, serve):
         "step out of order": (C.FAILED_PRECONDITION, lambda: _verify(stub, sid, 3)),
         "unparseable bytes": (C.INVALID_ARGUMENT, lambda: raw_verify(b"\xff\xff\xff\xff\x0f", timeout=10)),
         "oversize message": (C.RESOURCE_EXHAUSTED, lambda: _open(stub, fp, prompt=[300] * 40_000)),
+        "long lsa_id": (C.INVALID_ARGUMENT, lambda: _open(stub, fp, features=pb.FeatureSpec(lsa_id="x" * 10_000))),
+        "shape of 2000 axes": (C.INVALID_ARGUMENT, lambda: _verify(stub, sampled, 1, tokens=(5,), parents=(-1,),
+                                                                    probs=draft_probs(token_ids=many_axes))),
         # half-closed without a message: never answered before (grpc.aio's unary path)
         "no request message": (C.INVALID_ARGUMENT, lambda: streamed_info(iter(()), timeout=10, metadata=bearer)),
         "two request messages": (C.INVALID_ARGUMENT,
@@ -449,6 +455,7 @@ def test_bad_inputs_refused_without_model_work(spied, serve):
         assert err.value.code() == code, (label, err.value.code(), err.value.details())
         assert spy.calls == before, f"{label}: model work for a refused request"
         assert "Traceback" not in (err.value.details() or ""), label
+        assert len(err.value.details() or "") <= 1024, (label, len(err.value.details()))
 
     first = _verify(stub, sid, 1)
     calls = spy.calls
