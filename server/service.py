@@ -83,6 +83,7 @@ class _Entry:
     step_tokens: int = 0
     replied_at: float | None = None  # monotonic time its last Verify reply was ready
     turnaround_s: float | None = None  # moving average of the gap from a reply to the next step's arrival
+    owner: str = ""  # the bearer token's or mTLS certificate's identity that opened it ("": not bound)
 
 
 @dataclass(eq=False)
@@ -313,7 +314,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                                retry_after_s=BUSY_RETRY_S)
         reserved = self.kv.reserve(0, len(prompt))
         session_id = os.urandom(16)
-        placeholder = _Entry(session_id, None)  # reserve the slot before awaiting the worker
+        placeholder = _Entry(session_id, None, owner=self._owner(context))  # reserve the slot before awaiting the worker
         self.sessions[session_id] = placeholder
         try:
             (session, features_pb, forward_ms), started = await self._run(
@@ -349,7 +350,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         send limit, which closes the session), UNAVAILABLE (draining), INTERNAL (an unexpected error;
         the message names the step and says the session is closed; the service stays up). docs/reliability.md lists each guard."""
         arrived = time.perf_counter()
-        entry = self._entry(request.session_id)
+        entry = self._entry(request.session_id, context)
         async with entry.lock:
             entry.last_used = time.monotonic()
             if entry.replied_at is not None:  # the client's side of the last step: link, drafting
@@ -523,7 +524,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
 
     @_refusals
     async def CloseSession(self, request, context):
-        entry = self._entry(request.session_id)
+        entry = self._entry(request.session_id, context)
         self._forget(entry)
         log.debug("session closed after %d steps, %d sessions", entry.session.step, len(self.sessions))
         return pb.CloseSessionReply()
@@ -534,11 +535,21 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         if self.sessions.get(entry.session_id) is entry:
             del self.sessions[entry.session_id]
 
-    def _entry(self, session_id: bytes) -> _Entry:
+    def _owner(self, context) -> str:
+        """Whom a new session belongs to: the identity of the caller's bearer token (when tokens
+        are checked) or mTLS certificate; "" (anyone holding the id) for a network address alone,
+        which a phone changes when it moves between networks."""
+        identity = client_identity(context, self.authenticated)
+        return "" if identity.startswith("peer:") else identity
+
+    def _entry(self, session_id: bytes, context) -> _Entry:
+        """The open session `session_id`, for the caller in `context`. A session opened under a
+        bearer token or client certificate answers only that one: another tenant holding its id
+        (a leaked log) gets NOT_FOUND, as for an unknown session."""
         if len(session_id) != 16:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "session_id must be 16 bytes")
         entry = self.sessions.get(session_id)
-        if entry is None or entry.session is None or entry.closed:
+        if entry is None or entry.session is None or entry.closed or (entry.owner and entry.owner != self._owner(context)):
             raise ServiceError(grpc.StatusCode.NOT_FOUND, "unknown or expired session")
         if time.monotonic() - entry.last_used > self.limits.session_idle_ttl_s and not entry.lock.locked():
             self._forget(entry)

@@ -343,6 +343,17 @@ def test_bearer_token_auth(spied, serve):
         RemoteVerifier(server.address, timeout_s=30)
     assert err.value.code() == C.UNAUTHENTICATED
     assert metrics.refusals.labels(method="Info", code="UNAUTHENTICATED")._value.get() == 3
+    # a session answers only the token that opened it: another tenant holding its id gets NOT_FOUND
+    # (it could verify and close it before)
+    owner_channel, owner = _stub(server.address, token=TOKEN)
+    other_channel, other = _stub(server.address, token=OTHER_TOKEN)
+    sid = _open(owner, fp).session_id
+    _refused(C.NOT_FOUND, lambda: _verify(other, sid, 1), spy)
+    _refused(C.NOT_FOUND, lambda: other.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10), spy)
+    assert _verify(owner, sid, 1).step == 1
+    owner.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
+    owner_channel.close()
+    other_channel.close()
     # QA finding 12: a header without the Bearer scheme is there; the message says what is wrong with it
     channel, stub = _stub(server.address)
     for value in (TOKEN, f"Basic {TOKEN}"):
