@@ -28,7 +28,8 @@ from splitspec.shared.features import FeatureBatch
 from splitspec.v1 import verify_pb2 as pb
 from splitspec.v1 import verify_pb2_grpc as pb_grpc
 
-from splitspec.shared.verifier import CallStats, LinkDown, OpenResult, ServerInfo, SessionLost, StepResult, Verifier, VerifierSession
+from splitspec.shared.verifier import (BadReply, CallStats, LinkDown, OpenResult, ServerInfo, SessionLost, StepResult,
+                                       Verifier, VerifierSession)
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +184,12 @@ class RemoteVerifier(Verifier):
                                         tokenizer_fingerprint=self.info.tokenizer_fingerprint)
         reply, stats = self._open_when_admitted(request)
         session = _RemoteSession(self, reply.session_id)
-        return session, OpenResult(reply.first_token, FeatureBatch.from_pb(reply.features), stats)
+        try:
+            features = _features(reply, "OpenSession")
+        except BadReply:
+            session.close()
+            raise
+        return session, OpenResult(reply.first_token, features, stats)
 
     def _open_when_admitted(self, request: pb.OpenSessionRequest):
         """OpenSession, retried while the server refuses it for now (see `busy_wait_s`), with
@@ -246,16 +252,29 @@ class _RemoteSession(VerifierSession):
 
     def _send(self) -> StepResult:
         reply, stats = _call(self.verifier.stub.Verify, self.in_flight, self.verifier.step_timeout_s)
+        features = _features(reply, f"Verify step {self.in_flight.step}")  # before the step counts as done
         self.in_flight = None
         self.step += 1
-        return StepResult(tuple(reply.accepted_tokens), reply.bonus_token, reply.bonus_recovered,
-                          FeatureBatch.from_pb(reply.features), stats)
+        return StepResult(tuple(reply.accepted_tokens), reply.bonus_token, reply.bonus_recovered, features, stats)
 
     def close(self) -> None:
         try:
             self.verifier.stub.CloseSession(pb.CloseSessionRequest(session_id=self.session_id), timeout=5.0)
         except grpc.RpcError:
             pass  # the server drops idle sessions itself
+
+
+def _features(reply, call: str) -> FeatureBatch:
+    """The reply's features, decoded.
+
+    Raises:
+        BadReply: they do not decode (codec.CodecError), naming the call.
+    """
+    try:
+        return FeatureBatch.from_pb(reply.features)
+    except ValueError as err:  # codec.CodecError, and from_pb's own checks
+        raise BadReply(f"the verify service's reply to {call} carries features this client cannot decode "
+                       f"({err}); is the server a splitspec of another version?") from err
 
 
 def encode_draft_probs(draft_probs) -> pb.DraftProbs:

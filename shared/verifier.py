@@ -79,6 +79,11 @@ class SessionLost(RuntimeError):
     """The server no longer holds the session (restarted, or the session idled past its TTL)."""
 
 
+class BadReply(RuntimeError):
+    """The verify service's reply cannot be used: its features do not decode (a server of another
+    version, or a bug). The step stays in flight on the client: nothing it accepted is lost."""
+
+
 class VerifierSession(ABC):
     def resume(self) -> StepResult | None:
         """After LinkDown: re-send the step that failed, unchanged (same session id and step number,

@@ -35,6 +35,7 @@ from splitspec.shared.config import ServerLimits, ServerSecurity, parse_size, re
 from splitspec.shared.features import FeatureRequest
 from splitspec.shared.models import tokenizer_fingerprint
 from splitspec.shared.sampling import SamplingParams
+from splitspec.shared.tree import DraftTree
 from splitspec.v1 import verify_pb2 as pb
 from splitspec.v1 import verify_pb2_grpc as pb_grpc
 
@@ -361,6 +362,37 @@ def test_bearer_token_auth(spied, serve):
                                                                  metadata=[("authorization", value)])).details()
         assert "Bearer scheme" in details and "missing" not in details
     channel.close()
+
+
+def test_undecodable_features_in_a_reply_are_a_clear_error_and_lose_no_step(spied, serve):
+    """A reply whose features do not decode (a server of another version, or one that quantized a
+    non-finite activation: qa-wire F3) raises BadReply naming the call, and the step stays in
+    flight (it was counted done, its accepted tokens lost, before the features were decoded)."""
+    from splitspec.shared.verifier import BadReply
+
+    runner, _, _ = spied
+    server = serve(runner)
+    verifier = RemoteVerifier(server.address, timeout_s=30)
+    session, _ = verifier.open([1, 40, 50], SamplingParams(), FeatureRequest(hidden_layers=(-1,),
+                                                                            quantization=pb.QUANTIZATION_INT8))
+    real = verifier.stub.Verify
+
+    def corrupted(request, timeout=None):
+        reply = pb.VerifyReply()
+        reply.CopyFrom(real(request, timeout=timeout))
+        reply.features.hidden[0].tensor.scales = codec.encode(torch.tensor([float("inf")])).data
+        return reply
+
+    verifier.stub.Verify = corrupted
+    tree = DraftTree((5,), (-1,))
+    with pytest.raises(BadReply, match="reply to Verify step 1 carries features this client cannot decode"):
+        session.verify(tree, {})
+    assert session.step == 0 and session.in_flight is not None
+    verifier.stub.Verify = real
+    result = session.resume()  # the recorded reply of the same step: nothing lost
+    assert result is not None and session.step == 1
+    session.close()
+    verifier.close()
 
 
 def test_tls_and_mtls(spied, serve, pki):
