@@ -14,6 +14,8 @@ import grpc
 import torch
 
 from splitspec.shared.config import ServerLimits
+from splitspec.shared.features import FeatureRequest
+from splitspec.v1 import verify_pb2 as pb
 
 from .validation import ServiceError
 
@@ -31,6 +33,27 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_hidden_layers * kv_heads * head_dim * element
+
+
+def reply_feature_bytes(config, spec: FeatureRequest, positions: int, lsa_width: int = 0) -> int:
+    """An upper bound of the bytes the features of `positions` positions take in a reply, known
+    before any model work: hidden [P, E] per hidden layer, keys and values [Hkv, P, D] per KV layer,
+    lsa [P, `lsa_width`]; 2 bytes an element unquantized (fp16 on the wire), 1 quantized plus a
+    4-byte scale per row; zstd never grows a tensor by more than 1/256 + a frame's few bytes
+    (ZSTD_compressBound); 256 bytes per tensor cover its header. `config`: as `kv_bytes_per_token`."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    quantized = spec.quantization != pb.QUANTIZATION_NONE
+    element, scale = (1, 4) if quantized else (2, 0)
+    per_position = len(spec.hidden_layers) * (config.hidden_size * element + scale)
+    per_position += 2 * len(spec.kv_layers) * kv_heads * (head_dim * element + scale)
+    tensors = len(spec.hidden_layers) + 2 * len(spec.kv_layers)
+    if spec.lsa_id:
+        per_position += lsa_width * element + scale
+        tensors += 1
+    raw = positions * per_position
+    return raw + raw // 256 + 256 * tensors
 
 
 class KVBudget:

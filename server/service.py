@@ -32,6 +32,7 @@ import threading
 import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
+import dataclasses
 from dataclasses import dataclass, field
 
 import grpc
@@ -41,13 +42,14 @@ from grpc_health.v1.health import aio as health_aio
 
 from splitspec.shared.compute import compute_thread
 from splitspec.shared.config import ServerLimits, ServerSecurity
+from splitspec.shared.features import FeatureRequest
 from splitspec.shared.kv import cache_length
 from splitspec.shared.models import eos_token_ids, tokenizer_fingerprint
 from splitspec.v1 import verify_pb2 as pb
 from splitspec.v1 import verify_pb2_grpc as pb_grpc
 
 from .auth import BearerAuthInterceptor, TokenSet, client_identity, server_credentials
-from .limits import BUSY_RETRY_S, KVBudget, RateLimiter, kv_bytes_per_token
+from .limits import BUSY_RETRY_S, KVBudget, RateLimiter, kv_bytes_per_token, reply_feature_bytes
 from .metrics import ServiceMetrics
 from .runner import TargetRunner, TargetSession
 from .validation import (ServiceError, check_context, check_draft_probs, check_forced, check_open, check_tree,
@@ -66,6 +68,7 @@ _DROP_NOTICE_S = 0.2  # shutdown: the longest wait, after the grace period, for 
 # the batching window (ServerLimits.batch_window_ms) waits only for sessions answered within this
 # long whose next step is due inside the window by their measured turnaround
 ACTIVE_SESSION_S = 1.0
+REPLY_HEADROOM = 1024  # bytes of a reply beside its features (session id, tokens: <= 64 nodes, timings)
 TURNAROUND_EMA = 0.3  # weight of the newest reply-to-next-step gap in a session's turnaround estimate
 
 
@@ -98,6 +101,7 @@ class _Step:
     draft_probs: dict
     forced: tuple
     arrived: float
+    wire: FeatureRequest | None = None  # the encoding its reply's features travel in (`_wire_features`)
     done: bool = False
     reply: pb.VerifyReply | None = None
     error: BaseException | None = None
@@ -307,6 +311,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
             request, fingerprint=self.fingerprint, vocab_size=self.runner.vocab_size,
             num_layers=self.runner.num_layers, limits=self.limits, max_context=self.max_context,
             lsa_ids=self.runner.lsa_modules.keys())
+        wire = self._wire_features(features, len(prompt))
         self.evict_idle()
         if len(self.sessions) >= self.limits.max_sessions:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -318,7 +323,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         self.sessions[session_id] = placeholder
         try:
             (session, features_pb, forward_ms), started = await self._run(
-                self._open_session, placeholder, prompt, sampling, features, reserved=reserved)
+                self._open_session, placeholder, prompt, sampling, features, wire, reserved=reserved)
         except BaseException:
             self._forget(placeholder)
             raise
@@ -331,12 +336,36 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         log.debug("session opened: %d prompt tokens, %d sessions", len(prompt), len(self.sessions))
         return reply
 
-    def _open_session(self, entry: _Entry, prompt, sampling, features):
+    def _open_session(self, entry: _Entry, prompt, sampling, features, wire):
         """Prefill on the worker thread; records the new cache's length for the KV budget. The
-        prompt's features are quantized and encoded here too (a tensor op over the whole prompt)."""
+        prompt's features are quantized and encoded (as `wire`) here too (a tensor op over the
+        whole prompt)."""
         session, batch, forward_ms = self.runner.open(prompt, sampling, features)
         entry.kv_tokens = cache_length(session.cache)
-        return session, batch.to_pb(features), forward_ms
+        return session, batch.to_pb(wire), forward_ms
+
+    def _wire_features(self, spec: FeatureRequest, positions: int) -> FeatureRequest:
+        """How the features of a reply covering `positions` positions travel: as `spec` asks, or
+        int8-quantized when unquantized (fp16) ones could exceed the send limit (a 3,200-token
+        prompt's K/V of all 30 layers of SmolLM2 in fp16: ~67 MB). Each tensor names its encoding,
+        so the client decodes either. Bounded by `reply_feature_bytes`, before any model work.
+
+        Raises:
+            ServiceError: RESOURCE_EXHAUSTED when int8 would not fit either.
+        """
+        limit = self.limits.max_send_bytes - REPLY_HEADROOM
+        lsa_width = self.runner.lsa_modules[spec.lsa_id].config.hidden_size if spec.lsa_id else 0
+        bound = reply_feature_bytes(self.runner.config, spec, positions, lsa_width)
+        if bound == 0 or bound <= limit:
+            return spec
+        if spec.quantization == pb.QUANTIZATION_NONE:
+            int8 = dataclasses.replace(spec, quantization=pb.QUANTIZATION_INT8)
+            if reply_feature_bytes(self.runner.config, int8, positions, lsa_width) <= limit:
+                return int8
+        raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"the features of {positions} positions could take {bound} bytes, over the server's "
+                           f"reply limit of {self.limits.max_send_bytes} bytes even quantized: request fewer "
+                           f"feature layers or send a shorter prompt")
 
     @_refusals
     @_admitted
@@ -364,7 +393,8 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                 draft_probs = await self._parse(check_draft_probs, request.draft_probs, tree,
                                                 vocab_size=self.runner.vocab_size, limits=self.limits)
             reserved = self._reserve_step(entry, request.step, step_positions(tree, forced))
-            item = _Step(entry, request.step, tree, draft_probs, forced, arrived)
+            wire = self._wire_features(entry.session.features, step_positions(tree, forced))
+            item = _Step(entry, request.step, tree, draft_probs, forced, arrived, wire)
             with self._waiting_lock:
                 self._waiting.append(item)
                 self._waiting_lock.notify_all()
@@ -513,7 +543,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         reply = pb.VerifyReply(
             step=item.step, accepted_nodes=out.accept.accepted_nodes, accepted_tokens=out.accepted_tokens,
             bonus_token=out.accept.bonus_token, bonus_recovered=out.accept.recovered,
-            features=out.features.to_pb(session.features),
+            features=out.features.to_pb(item.wire or session.features),
             timings=_timings(item.arrived, (started - item.arrived) * 1e3, out.forward_ms))
         session.step = item.step
         entry.last_reply = reply

@@ -4,6 +4,7 @@ around the stories260K target, with a spy that counts (and can hold) the runner'
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import gc
 import logging
@@ -25,7 +26,7 @@ from splitspec.client.transport import (CHANNEL_OPTIONS, RemoteVerifier, channel
                                         make_channel)
 from splitspec.server import graphs
 from splitspec.server.auth import TokenSet, bearer_token, client_identity, token_identity
-from splitspec.server.limits import KVBudget, RateLimiter, kv_bytes_per_token
+from splitspec.server.limits import KVBudget, RateLimiter, kv_bytes_per_token, reply_feature_bytes
 from splitspec.server.metrics import ServiceMetrics
 from splitspec.server.runner import TargetRunner
 from splitspec.server.service import SERVICE_NAME, shutdown
@@ -603,12 +604,27 @@ def test_message_size_limits(spied, serve):
     channel, stub = _stub(server.address)
     _refused(C.RESOURCE_EXHAUSTED, lambda: _open(stub, fp, prompt=[300] * 2100), spy)  # ~4.2 KB request
     all_kv = pb.FeatureSpec(kv_layers=list(range(runner.num_layers)), codec=pb.CODEC_NONE)
-    before = spy.calls
-    err = _refused(C.RESOURCE_EXHAUSTED, lambda: _open(stub, fp, prompt=[7] * 30, features=all_kv))
-    assert "exceeds the server's limit of 2048 bytes" in err.details() and spy.calls == before + 1
-    assert not server.servicer.sessions  # the session whose reply could not be sent is closed
+    # refused before the prefill: the reply's features are bounded from the request (it built the
+    # whole reply, up to 218 MB, before refusing it: qa-wire F2)
+    err = _refused(C.RESOURCE_EXHAUSTED, lambda: _open(stub, fp, prompt=[7] * 30, features=all_kv), spy)
+    assert "over the server's reply limit of 2048 bytes even quantized" in err.details()
+    assert not server.servicer.sessions
     assert _open(stub, fp).session_id  # a small reply still goes out
     channel.close()
+    # unquantized features that could exceed the limit travel int8-quantized instead, decoded alike
+    hidden = FeatureRequest(hidden_layers=tuple(range(runner.num_layers + 1)), codec=pb.CODEC_NONE)
+    fp16 = reply_feature_bytes(runner.config, hidden, 40)
+    int8 = reply_feature_bytes(runner.config, dataclasses.replace(hidden, quantization=pb.QUANTIZATION_INT8), 40)
+    assert int8 < fp16
+    tight = serve(runner, ServerLimits(max_send_bytes=int8 + 1024))
+    verifier = RemoteVerifier(tight.address, timeout_s=30)
+    session, opened = verifier.open([7] * 40, SamplingParams(), hidden)
+    reference = runner.open([7] * 40, SamplingParams(), hidden)[1]
+    for layer, tensor in opened.features.hidden.items():
+        scale = reference.hidden[layer].abs().amax(dim=-1, keepdim=True)
+        assert (tensor - reference.hidden[layer]).abs().le(scale / 254 + 1e-6).all(), layer
+    session.close()
+    verifier.close()
     # the client's own limits: a reply over its receive limit, a request over its send limit
     big_server = serve(runner)
     small = RemoteVerifier(big_server.address, timeout_s=30,
