@@ -336,6 +336,10 @@ class _Run:
             plan = plan_step(self.answer, self.server, StepLimits(min(limits.max_tree_depth, room),
                                                                   min(limits.max_tree_nodes, room), limits.sampled))
         tree, probs = plan.tree, plan.draft_probs
+        if probs and self.privacy is not None:  # an offline chain's rows: none may name private text
+            root = self.server.cached + max(len(plan.forced), 1) - 1
+            if self.privacy.rows_leak(self.answer.context[:root + 1], tree, probs):
+                probs = {}  # the chain goes as one-hot proposals, verified exactly all the same
         drafted, own_nodes = tree is None, None
         if drafted:
             draft_start = self.stats.draft_ms
@@ -457,7 +461,34 @@ class _Run:
                     return
                 raise LinkDown(f"the verify service is unreachable and the {self.drafter.name} drafter cannot "
                                f"write alone; gave up after {self.policy.final_wait_s:g} s")
-        for token, row in zip(path, rows):
-            private = self.privacy is not None and self.privacy.completes([*answer.context, token])
+        flags = [False] * len(path)
+        if self.privacy is not None:
+            path, rows, flags = self._private_offline(path, rows)
+        for token, row, private in zip(path, rows, flags):
             if not answer.append([token], PRIVATE if private else OFFLINE, [row]) or answer.finished():
                 return
+
+    def _private_offline(self, path: list[int], rows: list) -> tuple[list[int], list, list[bool]]:
+        """Which tokens of an offline path reproduce private text: every token of each private
+        n-gram the path completes, the n-gram's first tokens included (they complete none
+        themselves, and were labelled offline: sent in clear as forced tokens with --on-reconnect
+        keep, and left outside the `<private>` tags of a chat history). Tokens of such an n-gram
+        written offline by an earlier chunk are withdrawn and written again as private. Returns
+        (path, rows, private flags), the path extended at its front by those tokens."""
+        answer, guard = self.answer, self.privacy
+        n = guard.ngram
+        flags = [guard.completes([*answer.context, *path[:i + 1]]) for i in range(len(path))]
+        for i in [i for i, hit in enumerate(flags) if hit]:
+            flags[max(0, i - n + 1):i] = [True] * (i - max(0, i - n + 1))
+        first = next((i for i, hit in enumerate(flags) if hit), None)
+        if first is None or first >= n - 1:
+            return path, rows, flags
+        start = max(len(answer.context) - (n - 1 - first), answer.prompt_len)
+        back = next((p for p in range(start, len(answer.context)) if answer.sources[p] == OFFLINE), None)
+        if back is None:
+            return path, rows, flags
+        earlier = answer.context[back:]
+        earlier_rows = [answer.rows.get(p) for p in range(back, len(answer.context))]
+        answer.retract(back)
+        self.drafter.rollback(back)
+        return [*earlier, *path], [*earlier_rows, *rows], [True] * len(earlier) + flags

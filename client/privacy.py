@@ -8,11 +8,16 @@ completes an n-gram (n = `ngram`, 2 by default) of private tokens are never sent
 drafter's own best continuation reproduces private text, the client writes those tokens itself
 and the server sees placeholders for them too (client/loop.py).
 
+Draft-probability rows (sampled trees, offline chains) follow the same rule: a row giving weight
+to a token that completes a private n-gram is not sent (`names_private`).
+
 What the server can learn: the number and positions of private tokens (one placeholder each), the
-target's reaction to placeholders, and, with n >= 2, a single token of a private span that the
-drafter proposed on its own (n = 1 withholds every private token id). It never receives private
-text, its token ids (as a run of n or more), embeddings or activations computed from them: the
-server computes activations of the placeholder only.
+target's reaction to placeholders, the drafter's other next-token probabilities in a private
+context, and, with n >= 2, single tokens of a private span that the drafter proposed on its own,
+one per draft node (n = 1 withholds every private token id). It never receives the span's token ids
+as a run of n or more, embeddings or activations computed from them: the server computes
+activations of the placeholder only. The rules compare token ids: the same words tokenized
+otherwise (another case, a leading space) are not recognised.
 """
 from __future__ import annotations
 
@@ -84,6 +89,7 @@ class PrivacyGuard:
             runs.append(run)
         grams = {tuple(r[i:i + self.ngram]) for r in runs for i in range(len(r) - self.ngram + 1)}
         object.__setattr__(self, "_grams", frozenset(grams))
+        object.__setattr__(self, "_heads", frozenset(g[:-1] for g in grams))  # what a row's context must end with
 
     @property
     def active(self) -> bool:
@@ -112,35 +118,62 @@ class PrivacyGuard:
             end += 1
         return end + 1
 
+    def names_private(self, sequence: Sequence[int], row) -> bool:
+        """Whether the draft-probability row `row` (shared/acceptance.py SparseProbs: the drafter's
+        next-token distribution after `sequence`) gives weight to a token that would complete a
+        private n-gram after `sequence`: such a row names the private text's next token (a row
+        after "qu" holding "ack" at p 0.9 spelled a private "Quackenbush")."""
+        head = tuple(sequence[len(sequence) - (self.ngram - 1):]) if self.ngram > 1 else ()
+        if len(head) != self.ngram - 1 or head not in self._heads:
+            return False
+        support = row.token_ids[row.probs > 0].tolist()
+        return any(head + (token,) in self._grams for token in support)
+
+    def rows_leak(self, context: Sequence[int], tree: DraftTree, rows: dict) -> bool:
+        """Whether any row of `rows` (node -> SparseProbs; ROOT: after `context`) names private text
+        (`names_private`)."""
+        tail = self._tail(context)
+        return any(self.names_private(tail + _path(tree, r), row) for r, row in rows.items())
+
     def prune(self, context: Sequence[int], proposal: Proposal) -> Proposal:
         """Drop every node completing a private n-gram, its subtree, and its later siblings (a
-        sampled sibling set must stay a prefix of its drawing order for lossless verification)."""
-        tree = proposal.tree
+        sampled sibling set must stay a prefix of its drawing order for lossless verification).
+        A sampled tree's draft-probability rows obey the same rule: a row naming a private
+        continuation (`names_private`) is dropped with every child drawn from it (their subtrees:
+        the node becomes a leaf, which keeps verification lossless), and rows of nodes left with no
+        children are not sent (the server has no use for them; they too were computed from the
+        private text)."""
+        tree, rows = proposal.tree, proposal.draft_probs
         tail = self._tail(context)
+        cut = {r for r, row in rows.items() if self.names_private(tail + _path(tree, r), row)}
         drop: set[int] = set()
         for node in range(tree.size):
             parent = tree.parents[node]
-            if parent in drop:
+            if parent in drop or parent in cut:
                 drop.add(node)
                 continue
-            path = []
-            n = node
-            while n != ROOT:
-                path.append(tree.tokens[n])
-                n = tree.parents[n]
-            if self.completes(tail + path[::-1]):
+            if self.completes(tail + _path(tree, node)):
                 drop.add(node)
                 drop.update(s for s in range(node + 1, tree.size) if tree.parents[s] == parent)
-        if not drop:
-            return proposal
         keep = [n for n in range(tree.size) if n not in drop]
+        parents = {tree.parents[n] for n in keep}
+        if not drop and all(r in parents for r in rows):
+            return proposal
         index = {old: new for new, old in enumerate(keep)}
         pruned = DraftTree(tuple(tree.tokens[n] for n in keep),
                            tuple(ROOT if tree.parents[n] == ROOT else index[tree.parents[n]] for n in keep))
-        rows = {ROOT if r == ROOT else index[r]: row for r, row in proposal.draft_probs.items()
-                if r == ROOT or r in index}
+        rows = {ROOT if r == ROOT else index[r]: row for r, row in rows.items() if r in parents}
         drafted = None if proposal.drafted is None else sum(n < proposal.drafted for n in keep)
         return Proposal(pruned, rows, drafted)
+
+
+def _path(tree: DraftTree, node: int) -> list[int]:
+    """The tokens from the root's child down to `node` ([] for ROOT)."""
+    path = []
+    while node != ROOT:
+        path.append(tree.tokens[node])
+        node = tree.parents[node]
+    return path[::-1]
 
 
 def best_path(proposal: Proposal) -> tuple[list[int], list]:

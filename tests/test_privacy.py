@@ -16,6 +16,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
 from splitspec.client.drafters import Drafter, NgramDrafter, Proposal
 from splitspec.client.loop import PRIVATE, TARGET, SpeculativeDecoder
@@ -23,6 +24,7 @@ from splitspec.client.privacy import (PrivacyGuard, Segment, encode_private_chat
                                       placeholder_token)
 from splitspec.client.transport import RemoteVerifier
 from splitspec.server.runner import TargetRunner
+from splitspec.shared.acceptance import SparseProbs
 from splitspec.shared.tree import ROOT, DraftTree
 
 
@@ -45,6 +47,35 @@ def test_guard_prune_and_private_run():
     assert guard.private_run([1, 10], [11, 4]) == 1  # the run started in the context
     strict = PrivacyGuard((1, 10, 2), (False, True, False), placeholder=99, ngram=1)
     assert strict.private_run([1], [10, 4]) == 1
+
+
+def _row(*pairs) -> SparseProbs:
+    return SparseProbs(torch.tensor([t for t, _ in pairs]), torch.tensor([p for _, p in pairs]))
+
+
+def test_guard_withholds_draft_rows_that_name_private_text():
+    """qa-privacy F1: a sampled tree's rows are the drafter's next-token distributions, computed
+    from the private text. A row naming a private continuation (after 10, the private bigram
+    10 -> 11 at p 0.95) went out even when its child 11 had been pruned; now the row goes with every
+    child drawn from it, and rows of childless nodes are not sent."""
+    guard = PrivacyGuard((1, 10, 11, 12, 2), (False, True, True, True, False), placeholder=99, ngram=2)
+    # root -> 5, root -> 10 (one private token alone: allowed at n = 2) -> 11 (10 -> 11: pruned)
+    tree = DraftTree((5, 10, 11), (ROOT, ROOT, 1))
+    rows = {ROOT: _row((5, 0.4), (10, 0.6)), 1: _row((11, 0.95), (5, 0.05))}
+    pruned = guard.prune([1, 3], Proposal(tree, rows))
+    assert pruned.tree.tokens == (5, 10) and set(pruned.draft_probs) == {ROOT}
+    # a row naming 11 after 10 cuts every child drawn from it, though the child itself is public
+    tree = DraftTree((10, 5), (ROOT, 0))
+    rows = {ROOT: _row((10, 1.0)), 0: _row((5, 0.5), (11, 0.5))}
+    pruned = guard.prune([1, 3], Proposal(tree, rows))
+    assert pruned.tree.tokens == (10,) and set(pruned.draft_probs) == {ROOT}
+    # the committed context ends in a private token: the root's row naming its successor goes, the tree with it
+    pruned = guard.prune([1, 10], Proposal(DraftTree((5,), (ROOT,)), {ROOT: _row((5, 0.9), (11, 0.1))}))
+    assert pruned.tree.size == 0 and not pruned.draft_probs
+    assert guard.rows_leak([1, 10], DraftTree((5,), (ROOT,)), {ROOT: _row((11, 1.0))})
+    assert not guard.rows_leak([1, 3], DraftTree((5,), (ROOT,)), {ROOT: _row((11, 1.0))})  # 11 alone: n = 2
+    # a zero-probability entry names nothing
+    assert not guard.names_private([10], _row((11, 0.0), (5, 1.0)))
 
 
 def test_encode_private_chat_marks_the_span(stories):
@@ -143,6 +174,18 @@ class LeakyDrafter(Drafter):
         if depth < 1:
             return Proposal(DraftTree.empty())
         return Proposal(DraftTree((*self.secret[:depth], self.other), (ROOT, *range(depth - 1), ROOT)))
+
+
+class _LeakyOffline(LeakyDrafter):
+    """Proposes a public token first (a Verify call the link can lose), then the secret."""
+
+    def __init__(self, secret: list[int], other: int) -> None:
+        super().__init__(secret, other)
+        self.calls = 0
+
+    def propose(self, context, limits, sampling) -> Proposal:
+        self.calls += 1
+        return Proposal(DraftTree((self.other,), (ROOT,))) if self.calls == 1 else super().propose(context, limits, sampling)
 
 
 class Spy(grpc.UnaryUnaryClientInterceptor):
@@ -273,6 +316,52 @@ def test_canary_never_leaves_the_device(stories, serve, drafter_kind):
     assert streams, "the capture saw no TCP payload on the server's port"
     for stream in streams.values():
         assert canary.encode() not in stream and _packed(secret_ids) not in stream
+
+
+@pytest.mark.parametrize("on_reconnect", ["keep", "heal"])
+def test_private_text_written_offline_is_private_from_its_first_token(stories, on_reconnect):
+    """qa-privacy F3: offline, a token counted as private only when it completed a private n-gram,
+    so the n-gram's first token was labelled offline: --on-reconnect keep then forced it to the
+    server in clear, and a chat history kept it outside the `<private>` tags (the next turn's
+    prompt sent it). Now every token of a reproduced private n-gram is private, and no private id
+    is ever forced or drafted as a run."""
+    from splitspec.client.loop import OfflinePolicy
+
+    from .helpers import EventLog, FlakyVerifier
+
+    model, tokenizer, model_id = stories
+    canary, content, secret = _canary_turn(tokenizer)
+    ids, mask = encode_private_chat(tokenizer, [{"role": "user", "content": content}])
+    guard = PrivacyGuard(tuple(ids), tuple(mask), placeholder_token(tokenizer))
+    log = EventLog()
+    sent: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # (forced, tree tokens) of each step
+    verifier = FlakyVerifier(TargetRunner(model, tokenizer, model_id), {1: "before"}, down_probes=0,
+                             gate=lambda: len(log.tokens) >= 2 * len(secret))
+    real_open = verifier.open
+
+    def open_(*args):
+        session, opened = real_open(*args)
+        real_verify = session.verify
+
+        def verify(tree, draft_probs, forced_tokens=()):
+            sent.append((tuple(forced_tokens), tuple(tree.tokens)))
+            return real_verify(tree, draft_probs, forced_tokens)
+
+        session.verify = verify
+        return session, opened
+
+    verifier.open = open_
+    policy = OfflinePolicy(on_reconnect=on_reconnect, backoff_initial_s=0.01, backoff_max_s=0.05)
+    drafter = _LeakyOffline(secret, other=ids[-1])  # the link fails on the first call: then it writes the secret
+    gen = SpeculativeDecoder(verifier, drafter, policy).generate(ids, 3 * len(secret), stop_on_eos=False,
+                                                                 privacy=guard, on_event=log)
+    runs = [i for i in range(len(gen.tokens) - len(secret) + 1) if gen.tokens[i:i + len(secret)] == secret]
+    assert runs, "the drafter wrote the secret"
+    for i in runs:
+        assert gen.sources[i:i + len(secret)] == [PRIVATE] * len(secret), gen.sources
+    for forced, tree in sent:
+        assert not set(forced) & set(secret), (forced, secret)
+        assert not _contains_run(list(tree), secret, 2)
 
 
 def _spied_verifier(address: str) -> tuple[RemoteVerifier, Spy]:
