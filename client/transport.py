@@ -24,7 +24,7 @@ import torch
 
 from splitspec.shared import codec
 from splitspec.shared.config import CLIENT_TOKEN_ENV, check_token, read_tokens
-from splitspec.shared.features import FeatureBatch
+from splitspec.shared.features import FeatureBatch, FeatureRequest
 from splitspec.v1 import verify_pb2 as pb
 from splitspec.v1 import verify_pb2_grpc as pb_grpc
 
@@ -183,13 +183,13 @@ class RemoteVerifier(Verifier):
                                         features=features.to_pb(),
                                         tokenizer_fingerprint=self.info.tokenizer_fingerprint)
         reply, stats = self._open_when_admitted(request)
-        session = _RemoteSession(self, reply.session_id)
+        session = _RemoteSession(self, reply.session_id, features)
         try:
-            features = _features(reply, "OpenSession")
+            batch = _features(reply, "OpenSession", features, self.info.hidden_size)
         except BadReply:
             session.close()
             raise
-        return session, OpenResult(reply.first_token, features, stats)
+        return session, OpenResult(reply.first_token, batch, stats)
 
     def _open_when_admitted(self, request: pb.OpenSessionRequest):
         """OpenSession, retried while the server refuses it for now (see `busy_wait_s`), with
@@ -230,9 +230,10 @@ class RemoteVerifier(Verifier):
 
 
 class _RemoteSession(VerifierSession):
-    def __init__(self, verifier: RemoteVerifier, session_id: bytes) -> None:
+    def __init__(self, verifier: RemoteVerifier, session_id: bytes, features: FeatureRequest) -> None:
         self.verifier = verifier
         self.session_id = session_id
+        self.features = features  # what every reply's features must hold
         self.step = 0
         self.in_flight: pb.VerifyRequest | None = None  # a step whose outcome is unknown (LinkDown)
 
@@ -252,7 +253,8 @@ class _RemoteSession(VerifierSession):
 
     def _send(self) -> StepResult:
         reply, stats = _call(self.verifier.stub.Verify, self.in_flight, self.verifier.step_timeout_s)
-        features = _features(reply, f"Verify step {self.in_flight.step}")  # before the step counts as done
+        features = _features(reply, f"Verify step {self.in_flight.step}", self.features,  # before the step
+                             self.verifier.info.hidden_size)  # counts as done
         self.in_flight = None
         self.step += 1
         return StepResult(tuple(reply.accepted_tokens), reply.bonus_token, reply.bonus_recovered, features, stats)
@@ -264,14 +266,15 @@ class _RemoteSession(VerifierSession):
             pass  # the server drops idle sessions itself
 
 
-def _features(reply, call: str) -> FeatureBatch:
-    """The reply's features, decoded.
+def _features(reply, call: str, request: FeatureRequest, hidden_size: int) -> FeatureBatch:
+    """The reply's features, decoded: the layers `request` asked for, hidden states `hidden_size`
+    wide (FeatureBatch.from_pb checks every shape before anything is inflated).
 
     Raises:
         BadReply: they do not decode (codec.CodecError), naming the call.
     """
     try:
-        return FeatureBatch.from_pb(reply.features)
+        return FeatureBatch.from_pb(reply.features, request=request, hidden_size=hidden_size)
     except ValueError as err:  # codec.CodecError, and from_pb's own checks
         raise BadReply(f"the verify service's reply to {call} carries features this client cannot decode "
                        f"({err}); is the server a splitspec of another version?") from err

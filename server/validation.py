@@ -38,13 +38,6 @@ def invalid(message: str) -> ServiceError:
 MAX_LSA_ID_CHARS = 128
 
 
-def _shape_text(shape) -> str:
-    """A declared shape for a refusal message, at most 8 axes: a refusal quoting a shape of a
-    million axes made a multi-MB status trailer, which the client saw as RESOURCE_EXHAUSTED."""
-    shape = tuple(shape)
-    return str(shape) if len(shape) <= 8 else f"({', '.join(map(str, shape[:8]))}, ... {len(shape)} axes)"
-
-
 def check_open(request: pb.OpenSessionRequest, *, fingerprint: str, vocab_size: int, num_layers: int,
                limits: ServerLimits, max_context: int, lsa_ids=()) -> tuple[list[int], SamplingParams, FeatureRequest]:
     """Validate an OpenSession request; returns (prompt ids, sampling params, feature request).
@@ -182,7 +175,7 @@ def check_draft_probs(msg: pb.DraftProbs, tree: DraftTree, *, vocab_size: int,
     if ids.dtype != torch.int32 or probs.dtype != torch.float32:
         raise invalid("draft_probs: token_ids must be int32 and probs float32")
     if ids.dim() != 2 or ids.shape != probs.shape or ids.shape[0] != len(rows):
-        raise invalid(f"draft_probs: shapes {_shape_text(ids.shape)} / {_shape_text(probs.shape)} do not match "
+        raise invalid(f"draft_probs: shapes {codec.describe_shape(ids.shape)} / {codec.describe_shape(probs.shape)} do not match "
                       f"{len(rows)} rows")
     if ((ids < 0) | (ids >= vocab_size)).any():
         raise invalid(f"draft_probs: token id outside [0, {vocab_size})")
@@ -214,11 +207,11 @@ def _declared_width(msg: pb.DraftProbs, rows: int, max_width: int) -> int:
     shapes = tuple(msg.token_ids.shape), tuple(msg.probs.shape)
     for shape in shapes:
         if len(shape) != 2 or shape[0] != rows or shape[1] < 0:
-            raise invalid(f"draft_probs: shapes {_shape_text(shapes[0])} / {_shape_text(shapes[1])} do not match "
+            raise invalid(f"draft_probs: shapes {codec.describe_shape(shapes[0])} / {codec.describe_shape(shapes[1])} do not match "
                           f"{rows} rows")
         if shape[1] > max_width:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"draft_probs rows hold {shape[1]} entries; the limit is {max_width}")
     if shapes[0] != shapes[1]:
-        raise invalid(f"draft_probs: shapes {_shape_text(shapes[0])} / {_shape_text(shapes[1])} differ")
+        raise invalid(f"draft_probs: shapes {codec.describe_shape(shapes[0])} / {codec.describe_shape(shapes[1])} differ")
     return shapes[0][1]
