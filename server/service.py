@@ -28,6 +28,7 @@ import ipaddress
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -68,6 +69,7 @@ _DROP_NOTICE_S = 0.2  # shutdown: the longest wait, after the grace period, for 
 # the batching window (ServerLimits.batch_window_ms) waits only for sessions answered within this
 # long whose next step is due inside the window by their measured turnaround
 ACTIVE_SESSION_S = 1.0
+RECLAIM_IDLE_S = 30.0  # a full server drops a session idle this long (3 default step deadlines)
 REPLY_HEADROOM = 1024  # bytes of a reply beside its features (session id, tokens: <= 64 nodes, timings)
 TURNAROUND_EMA = 0.3  # weight of the newest reply-to-next-step gap in a session's turnaround estimate
 
@@ -313,11 +315,17 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
             lsa_ids=self.runner.lsa_modules.keys())
         wire = self._wire_features(features, len(prompt))
         self.evict_idle()
-        if len(self.sessions) >= self.limits.max_sessions:
+        if len(self.sessions) >= self.limits.max_sessions and not self._reclaim_abandoned():
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"server holds its maximum of {self.limits.max_sessions} sessions",
                                retry_after_s=BUSY_RETRY_S)
-        reserved = self.kv.reserve(0, len(prompt))
+        while True:
+            try:
+                reserved = self.kv.reserve(0, len(prompt))
+                break
+            except ServiceError as err:  # a server-wide KV budget: abandoned sessions' caches give way first
+                if err.retry_after_s is None or not self._reclaim_abandoned():
+                    raise
         session_id = os.urandom(16)
         placeholder = _Entry(session_id, None, owner=self._owner(context))  # reserve the slot before awaiting the worker
         self.sessions[session_id] = placeholder
@@ -586,6 +594,23 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
             raise ServiceError(grpc.StatusCode.NOT_FOUND, "session expired (idle too long)")
         return entry
 
+    def _reclaim_abandoned(self) -> bool:
+        """When a new session finds the server full (sessions or KV): drop the least recently used
+        session idle for over RECLAIM_IDLE_S, far longer than a live client waits between steps.
+        A client that crashed or vanished never closes its session, which otherwise held its slot
+        and KV for the whole idle TTL (300 s): 16 crashed clients locked everyone out. A client
+        that was only offline longer reopens its session (SessionLost) and loses nothing.
+        Returns whether one was dropped."""
+        now = time.monotonic()
+        idle = [e for e in self.sessions.values()
+                if e.session is not None and not e.lock.locked() and now - e.last_used > RECLAIM_IDLE_S]
+        if not idle:
+            return False
+        entry = min(idle, key=lambda e: e.last_used)
+        self._forget(entry)
+        log.info("reclaimed a session idle for %.0f s: the server was full", now - entry.last_used)
+        return True
+
     def evict_idle(self) -> int:
         """Drop sessions idle longer than the TTL; returns how many were dropped."""
         now = time.monotonic()
@@ -744,6 +769,15 @@ async def shutdown(server: grpc.aio.Server, servicer: VerifyServicer, health, gr
     return drained
 
 
+def _exit_now(sig: int) -> None:
+    """A second SIGINT / SIGTERM during shutdown: end the process now (status 128 + the signal),
+    abandoning the running model step (a 4,000-token prefill on a CPU: over a minute, longer than
+    a supervisor waits). Clients see their calls fail and reopen their sessions elsewhere."""
+    print(f"splitspec verify service: {signal.Signals(sig).name} again: stopped without waiting for the "
+          "running model step", file=sys.stderr, flush=True)
+    os._exit(128 + sig)
+
+
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
@@ -766,15 +800,24 @@ async def serve(runner: TargetRunner, host: str, port: int, limits: ServerLimits
         if value is not None and not 0 <= value <= 65535:
             raise ValueError(f"{name} {value} must lie in 0..65535")
     metrics = ServiceMetrics()
-    server, bound, servicer, health = await create_server(runner, f"{host}:{port}", limits, security, metrics,
-                                                          worker=worker)
+    exported = None
+    if metrics_port is not None:  # first: a busy metrics port must not leave the service half started
+        try:
+            exported = metrics.serve_http(metrics_port, metrics_host)
+        except OSError as err:
+            raise OSError(f"cannot export metrics on {metrics_host}:{metrics_port}: {err.strerror or err}") from None
+    try:
+        server, bound, servicer, health = await create_server(runner, f"{host}:{port}", limits, security, metrics,
+                                                              worker=worker)
+    except BaseException:
+        metrics.stop_http()
+        raise
     scheme = "TLS" if security.tls else "plaintext"
     auth = f"{len(security.tokens)} bearer token(s)" if security.tokens else "no auth"
     print(f"splitspec verify service: {runner.model_id} listening on {host}:{bound} ({scheme}, {auth})", flush=True)
     if not _is_loopback(host) and not (security.tls and security.tokens):
         log.warning("serving on %s without TLS and bearer tokens: anyone who can reach it can use it", host)
-    if metrics_port is not None:
-        exported = metrics.serve_http(metrics_port, metrics_host)
+    if exported is not None:
         print(f"splitspec verify service: metrics on http://{metrics_host}:{exported}/metrics", flush=True)
     if on_bound is not None:
         on_bound(bound)
@@ -790,7 +833,10 @@ async def serve(runner: TargetRunner, host: str, port: int, limits: ServerLimits
 
     sweeper = asyncio.create_task(sweep())
     await stop.wait()
-    print("splitspec verify service: shutting down (draining in-flight steps)", flush=True)
+    print("splitspec verify service: shutting down (draining in-flight steps; a second Ctrl-C or SIGTERM "
+          "stops at once)", flush=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # one model step (a long prompt's prefill) cannot be cut short
+        loop.add_signal_handler(sig, _exit_now, sig)
     sweeper.cancel()
     drained = await shutdown(server, servicer, health, grace_s)
     metrics.stop_http()

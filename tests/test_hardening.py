@@ -530,6 +530,27 @@ def test_expired_session(spied, serve):
     _assert_still_serving(server.address, fp, spy)
 
 
+def test_a_full_server_reclaims_abandoned_sessions(spied, serve, monkeypatch):
+    """qa-ops F2: clients that crash never close their sessions, which held their slots (and KV)
+    for the whole idle TTL, locking new clients out. A full server now drops the least recently
+    used session idle over RECLAIM_IDLE_S; sessions in use are never taken."""
+    from splitspec.server import service
+
+    runner, spy, fp = spied
+    monkeypatch.setattr(service, "RECLAIM_IDLE_S", 0.5)
+    server = serve(runner, ServerLimits(max_sessions=2))
+    channel, stub = _stub(server.address)
+    first = _open(stub, fp).session_id
+    time.sleep(0.3)
+    second = _open(stub, fp).session_id
+    _refused(C.RESOURCE_EXHAUSTED, lambda: _open(stub, fp), spy)  # both in use: refused as before
+    time.sleep(0.4)  # `first` idle 0.7 s, `second` 0.4 s
+    third = _open(stub, fp).session_id
+    _refused(C.NOT_FOUND, lambda: _verify(stub, first, 1), spy)  # the least recently used went
+    assert _verify(stub, second, 1).step == 1 and _verify(stub, third, 1).step == 1
+    channel.close()
+
+
 def test_rate_limit_per_client(spied, serve):
     runner, spy, fp = spied
     # one call refills in 1 / 0.05 s = 20 s, far longer than the four calls below take on a loaded
@@ -955,3 +976,60 @@ def test_cli_serve_with_tls_token_and_metrics(stories_path, pki, tmp_path, capsy
     assert proc.returncode == 0, output
     assert "shutting down" in output and "stopped" in output
     assert token not in output
+
+
+_SLOW_PREFILL_SERVER = """
+import sys, time
+from splitspec.cli.main import main
+from splitspec.server.runner import TargetRunner
+
+real = TargetRunner.open
+def slow_open(self, *args, **kwargs):  # one model step far longer than the test waits
+    print("prefill started", flush=True)
+    time.sleep(300)
+    return real(self, *args, **kwargs)
+TargetRunner.open = slow_open
+sys.exit(main(["serve", "--target", sys.argv[1], "--port", sys.argv[2], "--grace", "0.5"]))
+"""
+
+
+def test_a_second_signal_stops_the_server_at_once(stories_path):
+    """qa-ops F1: shutdown waits for the running model step (a 4,000-token prefill on a CPU: over
+    a minute, past a supervisor's patience) and ignored later signals; a second SIGTERM now ends
+    the process at once (status 128 + 15)."""
+    import signal
+    import subprocess
+    import sys
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_PREFILL_SERVER, str(stories_path), str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            try:
+                if _health(f"127.0.0.1:{port}") == health_pb2.HealthCheckResponse.SERVING:
+                    break
+            except grpc.RpcError:
+                time.sleep(0.3)
+        channel, stub = _stub(f"127.0.0.1:{port}")
+        fp = stub.Info(pb.InfoRequest(), timeout=10).tokenizer_fingerprint
+        call = stub.OpenSession.future(pb.OpenSessionRequest(prompt_ids=[1, 40, 50], tokenizer_fingerprint=fp),
+                                       timeout=60)
+        assert any("prefill started" in line for line in proc.stdout)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(2)  # past the grace: the server waits for the step
+        assert proc.poll() is None
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        status = proc.wait(timeout=60)
+        assert status == 128 + signal.SIGTERM and time.monotonic() - start < 10
+        assert "again: stopped without waiting" in proc.stdout.read()
+        with pytest.raises(grpc.RpcError):
+            call.result(timeout=10)
+        channel.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
