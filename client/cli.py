@@ -184,12 +184,21 @@ def _say_waiting(message: str) -> None:
 def cmd_generate(args, local_verifier=None) -> None:
     setup = _setup(args, local_verifier)
     prompt_ids, privacy = _encode(setup, args, _messages(args, [{"role": "user", "content": args.prompt}]))
-    stream = None if args.json else TextStream(setup.tokenizer)
-    gen = setup.decoder.generate(prompt_ids, args.max_new_tokens, setup.sampling, on_event=stream, privacy=privacy)
+    stream = _Collected() if args.json else TextStream(setup.tokenizer)
+    try:
+        gen = setup.decoder.generate(prompt_ids, args.max_new_tokens, setup.sampling, on_event=stream,
+                                     privacy=privacy)
+    except Exception as err:  # the link stayed down, a refusal: --json still says what was written
+        if args.json:
+            print(json.dumps({"mode": setup.mode, "drafter": setup.decoder.drafter.name,
+                              "prompt_tokens": len(prompt_ids), "token_ids": stream.ids, "sources": stream.sources,
+                              "text": setup.tokenizer.decode(stream.ids, skip_special_tokens=True),
+                              "complete": False, "error": f"{type(err).__name__}: {err}"}))
+        raise
     text = setup.tokenizer.decode(gen.tokens, skip_special_tokens=True)
     if args.json:
         print(json.dumps({"mode": setup.mode, "drafter": setup.decoder.drafter.name, "prompt_tokens": len(prompt_ids),
-                          "token_ids": gen.tokens, "sources": gen.sources, "text": text,
+                          "token_ids": gen.tokens, "sources": gen.sources, "text": text, "complete": True,
                           "stopped_by_eos": gen.stopped_by_eos, "stats": gen.stats.as_dict(),
                           "calls": [asdict(c) for c in gen.stats.calls]}))
     else:
@@ -197,6 +206,25 @@ def cmd_generate(args, local_verifier=None) -> None:
             print(f"\n(the target's context of {setup.decoder.verifier.info.max_context} tokens is full)", end="")
         print(f"\n{gen.stats.summary()}")
     setup.decoder.verifier.close()
+
+
+class _Collected:
+    """The answer as its stream events describe it (client/answer.py StreamEvent): token ids and who
+    wrote each, kept for `generate --json` when the answer fails part way."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.sources: list[str] = []
+
+    def __call__(self, event) -> None:
+        if event.kind == "tokens":
+            self.ids += event.tokens
+            self.sources += [str(event.source)] * len(event.tokens)
+        elif event.kind == "retract":
+            del self.ids[event.start:], self.sources[event.start:]
+        elif event.kind in ("verified", "kept"):
+            label = "target" if event.kind == "verified" else "kept"
+            self.sources[event.start:event.start + event.count] = [label] * event.count
 
 
 def _chat_turn(setup, args, history_db, conversation: int, line: str, prompt_ids, privacy, stream):

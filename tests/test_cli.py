@@ -34,6 +34,31 @@ def test_generate_local_json_equals_generate(stories, stories_path, capsys):
     assert result["stats"]["new_tokens"] == len(expected) and result["mode"] == "single-device"
 
 
+def test_generate_json_reports_what_was_written_when_the_link_stays_down(stories, stories_path, capsys):
+    """qa-ops F8: `generate --json` printed nothing when the answer failed part way (the link
+    stayed down), though the verified tokens were known; now it prints them, `complete: false` and
+    the error, and still exits 2."""
+    from splitspec.cli.main import build_parser
+    from splitspec.client.cli import cmd_generate
+
+    from .helpers import FlakyVerifier
+
+    model, tokenizer, model_id = stories
+
+    def flaky(target, device, dtype):  # the link drops on the 4th step and never returns
+        return FlakyVerifier(TargetRunner(model, tokenizer, model_id), {4: "before"}, down_probes=10**9), tokenizer
+
+    args = build_parser().parse_args(["generate", "--local", "--target", str(stories_path), "--prompt",
+                                      "Once upon a time", "--drafter", "ngram", "--max-new-tokens", "30", "--json",
+                                      "--no-offline"])
+    with pytest.raises(Exception) as err:
+        cmd_generate(args, local_verifier=flaky)
+    result = json.loads(capsys.readouterr().out)
+    assert result["complete"] is False and type(err.value).__name__ in result["error"]
+    assert 3 <= len(result["token_ids"]) < 30 and set(result["sources"]) == {"target"}
+    assert result["text"] == tokenizer.decode(result["token_ids"], skip_special_tokens=True)
+
+
 def test_generate_split_streams_and_reports(stories, stories_path, serve, capsys):
     model, tokenizer, model_id = stories
     server = serve(TargetRunner(model, tokenizer, model_id))
