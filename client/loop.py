@@ -238,7 +238,7 @@ class _Run:
     def go(self) -> Generation:
         start = time.perf_counter()
         try:
-            self._open(len(self.answer))  # LinkDown here propagates: nothing to continue from
+            self._open_first()
             while self._turn():
                 pass
         finally:
@@ -313,6 +313,27 @@ class _Run:
         self.stats.target_calls += 1
         self.drafter.reset(self.answer.context[:upto], opened.features)
         self._settle(upto, [opened.first_token])
+
+    def _open_first(self) -> None:
+        """The answer's first session. The drafter cannot write before it (its features come with
+        it), so while the link is down (a server restarting) it waits, as an offline answer's end
+        does, up to the policy's `final_wait_s` for the link to return, then tries once more.
+
+        Raises:
+            LinkDown: offline continuation disabled, or the link still down after the wait.
+        """
+        try:
+            self._open(len(self.answer))
+            return
+        except LinkDown as err:
+            if not self.policy.enabled:
+                raise
+            log.info("verify service unreachable (%s): waiting up to %g s to open the session", err,
+                     self.policy.final_wait_s)
+        self.link.start()
+        if not self.link.wait(self.policy.final_wait_s, abandon=self.cancelled):
+            raise LinkDown(f"the verify service stayed unreachable for {self.policy.final_wait_s:g} s")
+        self._open(len(self.answer))
 
     def _reopen(self) -> None:
         """The server lost the session: open one with everything up to the first unverified token."""

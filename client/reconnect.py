@@ -19,8 +19,9 @@ class OfflinePolicy:
     on_reconnect: "heal" (text after the first rejected offline token is replaced by the target's
       continuation) or "keep" (it stays as written).
     backoff_*: reconnect probes wait min(max, initial * 2**attempt) * U(0, 1) s (full jitter).
-    final_wait_s: how long to wait for the link when the answer is complete but unverified, or when
-      the drafter cannot write alone (then LinkDown is raised).
+    final_wait_s: how long to wait for the link when the answer is complete but unverified, when
+      the drafter cannot write alone, or when the first session cannot be opened (then LinkDown is
+      raised).
     """
 
     enabled: bool = True

@@ -74,6 +74,37 @@ def test_keep_leaves_offline_text_and_continues_from_it(setup):
     assert f"({kept} unverified" in gen.stats.summary()
 
 
+def test_a_server_down_at_the_first_open_is_waited_for(setup):
+    """qa-ops F8: a server restarting between the client's start and its first OpenSession failed
+    the answer at once (nothing to continue from); the client now waits for the link, as at an
+    offline answer's end, and the answer is the target's."""
+    model, runner, prompt, ref, draft = setup
+
+    class DownAtFirst(FlakyVerifier):
+        opens = 0
+
+        def open(self, prompt_ids, sampling, features):
+            self.opens += 1
+            if self.opens == 1:
+                self.probes_left = 3
+                raise LinkDown("connection refused")
+            return super().open(prompt_ids, sampling, features)
+
+    policy = OfflinePolicy(backoff_initial_s=0.01, backoff_max_s=0.05)
+    verifier = DownAtFirst(runner, {})
+    gen = SpeculativeDecoder(verifier, _drafter(draft), policy).generate(prompt, N_NEW, stop_on_eos=False)
+    assert gen.tokens == ref and verifier.opens == 2
+    # with offline continuation off, or the link down for good, LinkDown propagates as before
+    with pytest.raises(LinkDown):
+        SpeculativeDecoder(DownAtFirst(runner, {}), _drafter(draft), OfflinePolicy(enabled=False)).generate(
+            prompt, N_NEW, stop_on_eos=False)
+    never = DownAtFirst(runner, {})
+    never.probe = lambda timeout_s=1.0: False
+    with pytest.raises(LinkDown, match="stayed unreachable"):
+        SpeculativeDecoder(never, _drafter(draft), OfflinePolicy(final_wait_s=0.3, backoff_initial_s=0.01,
+                                                                 backoff_max_s=0.05)).generate(prompt, 4)
+
+
 def test_disabled_offline_raises(setup):
     model, runner, prompt, ref, draft = setup
     decoder = SpeculativeDecoder(FlakyVerifier(runner, {2: "before"}), _drafter(draft), OfflinePolicy(enabled=False))
