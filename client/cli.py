@@ -251,6 +251,8 @@ def cmd_chat(args, local_verifier=None) -> None:
     if conversation is not None:
         for m in history_db.messages(conversation):
             content = m["content"] if m["complete"] else history_db.recover(m["id"], setup.tokenizer)
+            if m["role"] == "assistant" and not m["complete"] and not content:
+                continue  # a turn that failed before its first token: no answer to replay
             history.append({"role": m["role"], "content": content})
     else:
         conversation = history_db.new_conversation(setup.target, setup.decoder.drafter.name)

@@ -104,6 +104,12 @@ def test_chat_commands_and_history(stories_path, monkeypatch, capsys, tmp_path):
     monkeypatch.setattr("sys.stdin", io.StringIO("/quit\n"))
     code, out, _ = _run(capsys, args + ["--resume"])
     assert code == 0 and "2 earlier messages" in out
+    # a turn that failed before its first token left an empty, incomplete answer: not replayed
+    failed = history.new_conversation(str(stories_path), "ngram")
+    history.add_message(failed, "user", "Are you there?")
+    history.add_message(failed, "assistant", "", complete=False)
+    code, out, _ = _run(capsys, args + ["--resume"])
+    assert code == 0 and "1 earlier messages" in out
 
 
 def test_chat_goes_on_when_a_turn_fails_or_the_context_is_full(stories, stories_path, serve, monkeypatch, capsys,
