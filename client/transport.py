@@ -23,7 +23,7 @@ import grpc
 import torch
 
 from splitspec.shared import codec
-from splitspec.shared.config import CLIENT_TOKEN_ENV, check_token, read_tokens
+from splitspec.shared.config import CLIENT_KEEPALIVE_TIME_S, CLIENT_TOKEN_ENV, check_token, read_tokens
 from splitspec.shared.features import FeatureBatch, FeatureRequest
 from splitspec.v1 import verify_pb2 as pb
 from splitspec.v1 import verify_pb2_grpc as pb_grpc
@@ -34,7 +34,7 @@ from splitspec.shared.verifier import (BadReply, CallStats, LinkDown, OpenResult
 log = logging.getLogger(__name__)
 
 
-def channel_options(keepalive_time_s: float = 30.0, keepalive_timeout_s: float = 20.0,
+def channel_options(keepalive_time_s: float = CLIENT_KEEPALIVE_TIME_S, keepalive_timeout_s: float = 20.0,
                     max_receive_bytes: int = 64 * 2**20, max_send_bytes: int = 4 * 2**20) -> list[tuple[str, int]]:
     """gRPC channel arguments of the client.
 
@@ -164,12 +164,7 @@ class RemoteVerifier(Verifier):
         self.channel = make_channel(address, CHANNEL_OPTIONS if options is None else options, token=token,
                                     tls_ca=tls_ca, client_cert=client_cert, client_key=client_key)
         self.stub = pb_grpc.VerifyServiceStub(self.channel)
-        try:
-            grpc.channel_ready_future(self.channel).result(timeout=connect_timeout_s)
-        except grpc.FutureTimeoutError as err:
-            self.channel.close()
-            raise ConnectionError(f"no verify service reachable at {address} within {connect_timeout_s:g} s"
-                                  f"{' (or the TLS handshake failed)' if tls_ca or client_cert else ''}") from err
+        self._wait_connected(connect_timeout_s, tls=bool(tls_ca or client_cert))
         info = self.stub.Info(pb.InfoRequest(), timeout=timeout_s)
         self.info = ServerInfo(
             model_id=info.model_id, tokenizer_fingerprint=info.tokenizer_fingerprint, vocab_size=info.vocab_size,
@@ -177,6 +172,43 @@ class RemoteVerifier(Verifier):
             max_tree_nodes=info.max_tree_nodes, max_tree_depth=info.max_tree_depth,
             max_draft_support=info.max_draft_support, eos_token_ids=tuple(info.eos_token_ids),
             lsa_ids=tuple(info.lsa_ids))
+
+    def _wait_connected(self, timeout_s: float, tls: bool) -> None:
+        """Until the channel is ready, within `timeout_s`. A server not (yet) listening is waited
+        for; one that answers the connection but fails its setup (TLS on one side only, a
+        certificate the other side refuses) ends the wait at once with gRPC's reason, since
+        waiting cannot mend it (it took the whole timeout, then blamed reachability).
+
+        Raises:
+            ConnectionError: not connected within `timeout_s`, or a failed connection setup.
+        """
+        ready = grpc.channel_ready_future(self.channel)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                ready.result(timeout=max(0.0, min(CONNECT_POLL_S, deadline - time.monotonic())))
+                return
+            except grpc.FutureTimeoutError:
+                cause = self._connect_error()
+                setup_failed = cause is not None and any(m in cause for m in _SETUP_FAILURES)
+                if not setup_failed and time.monotonic() < deadline:
+                    continue
+                self.channel.close()
+                if setup_failed:
+                    hint = "" if tls else "; does the server require TLS (--tls-ca)?"
+                    raise ConnectionError(f"the server at {self.address} refused the connection's setup "
+                                          f"({cause}){hint}") from None
+                raise ConnectionError(f"no verify service reachable at {self.address} within {timeout_s:g} s"
+                                      f"{f' ({cause})' if cause else ''}") from None
+
+    def _connect_error(self) -> str | None:
+        """Why the channel does not connect, as gRPC words it (an Info call that does not wait for
+        the channel), or None when the call got through."""
+        try:
+            self.stub.Info(pb.InfoRequest(), timeout=CONNECT_POLL_S)
+        except grpc.RpcError as err:
+            return err.details()
+        return None
 
     def open(self, prompt_ids, sampling, features):
         request = pb.OpenSessionRequest(prompt_ids=prompt_ids, sampling=sampling.to_pb(pb.SamplingParams),
@@ -278,6 +310,12 @@ def _features(reply, call: str, request: FeatureRequest, hidden_size: int) -> Fe
     except ValueError as err:  # codec.CodecError, and from_pb's own checks
         raise BadReply(f"the verify service's reply to {call} carries features this client cannot decode "
                        f"({err}); is the server a splitspec of another version?") from err
+
+
+CONNECT_POLL_S = 0.5  # how often a connection that is not ready yet is asked why
+# what gRPC says when a connection was made but its setup failed: TLS on one side only, or a
+# certificate the other side refuses (no waiting mends these)
+_SETUP_FAILURES = ("Socket closed", "handshake", "SSL", "WRONG_VERSION_NUMBER", "CERTIFICATE_VERIFY_FAILED")
 
 
 def encode_draft_probs(draft_probs) -> pb.DraftProbs:

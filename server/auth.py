@@ -57,6 +57,10 @@ class TokenSet:
         if not self._digests:
             raise ValueError("a TokenSet needs at least one token")
 
+    @property
+    def count(self) -> int:
+        return len(self._digests)
+
     def match(self, presented: str) -> bool:
         """True if `presented` is an accepted token. Time does not depend on which token matched or
         on how much of it did: every digest is compared in full."""
@@ -169,15 +173,115 @@ def client_identity(context: grpc.aio.ServicerContext, authenticated: bool) -> s
     return "peer:" + host
 
 
-def server_credentials(security: ServerSecurity) -> grpc.ServerCredentials:
-    """TLS credentials for `security`; with a client CA, clients must present a certificate
-    chaining to it (mTLS).
+TLS_EXPIRY_WARNING_DAYS = 14  # check_tls warns when a certificate expires sooner than this
+
+
+def _when(moment) -> str:
+    return moment.strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _subject(cert) -> str:
+    return cert.subject.rfc4514_string() or "(empty subject)"
+
+
+def _load_certificates(pem: bytes, name: str) -> list:
+    """The certificates of a PEM bundle. Raises ValueError naming `name`: none can be read."""
+    from cryptography import x509
+
+    try:
+        certs = x509.load_pem_x509_certificates(pem)
+    except ValueError:
+        certs = []
+    if not certs:
+        raise ValueError(f"{name}: no PEM certificate can be read from it "
+                         "(expected '-----BEGIN CERTIFICATE-----' blocks)")
+    return certs
+
+
+def _validity_problem(cert, now, name: str) -> str | None:
+    """Why `cert` is not valid at `now` (a message with its dates), or None."""
+    start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
+    span = f"valid from {_when(start)} to {_when(end)}"
+    if now > end:
+        return f"{name}: the certificate {_subject(cert)!r} expired on {_when(end)} ({span}; now {_when(now)})"
+    if now < start:
+        return (f"{name}: the certificate {_subject(cert)!r} is not valid yet ({span}; now {_when(now)}; "
+                "is this machine's clock right?)")
+    return None
+
+
+def _expiry_warning(cert, now, name: str, warn_days: float) -> str | None:
+    import datetime
+
+    end = cert.not_valid_after_utc
+    if now <= end < now + datetime.timedelta(days=warn_days):
+        left = end - now
+        return (f"{name}: the certificate {_subject(cert)!r} expires on {_when(end)}, in "
+                f"{left.days} d {left.seconds // 3600} h; renew it before then (clients will refuse it)")
+    return None
+
+
+def check_tls(cert_pem: bytes, key_pem: bytes, client_ca_pem: bytes | None = None, *,
+              cert_name: str = "the TLS certificate", key_name: str = "the TLS key",
+              ca_name: str = "the TLS client CA", now=None,
+              warn_days: float = TLS_EXPIRY_WARNING_DAYS) -> list[str]:
+    """Check a server certificate chain, its private key and an optional mTLS client-CA bundle
+    before gRPC gets them (gRPC only says "Failed to bind" when they are bad, and accepts an
+    expired certificate that every client then refuses). `*_name`: how messages name each input
+    (e.g. the flag and file). Returns warnings: a certificate that expires within `warn_days`,
+    an expired CA in a bundle that holds a valid one.
 
     Raises:
-        ValueError: `security` has no TLS certificate.
+        ValueError: naming the input: PEM that holds no certificate or no (unencrypted) private
+            key, a key that does not belong to the first certificate of the chain, a certificate
+            of the chain that has expired or is not valid yet, a client-CA bundle none of whose
+            certificates is valid now.
+    """
+    import datetime
+
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+
+    now = now if now is not None else datetime.datetime.now(datetime.timezone.utc)
+    chain = _load_certificates(cert_pem, cert_name)
+    try:
+        key = serialization.load_pem_private_key(key_pem, password=None)
+    except TypeError:  # encrypted: gRPC takes no passphrase
+        raise ValueError(f"{key_name}: the private key is encrypted; give it unencrypted "
+                         "(e.g. `openssl pkey -in KEY -out KEY.plain`)") from None
+    except (ValueError, UnsupportedAlgorithm) as err:
+        raise ValueError(f"{key_name}: no PEM private key can be read from it ({str(err).split('. ')[0]})") from None
+    spki = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    if key.public_key().public_bytes(*spki) != chain[0].public_key().public_bytes(*spki):
+        raise ValueError(f"{key_name} does not match {cert_name}: the key is not the private key of its "
+                         f"first certificate, {_subject(chain[0])!r}")
+    warnings = []
+    for cert in chain:
+        problem = _validity_problem(cert, now, cert_name)
+        if problem:
+            raise ValueError(problem + "; clients would refuse it")
+        warnings.append(_expiry_warning(cert, now, cert_name, warn_days))
+    if client_ca_pem is not None:
+        cas = _load_certificates(client_ca_pem, ca_name)
+        problems = [_validity_problem(ca, now, ca_name) for ca in cas]
+        if all(problems):
+            raise ValueError(problems[0] + "; no client certificate could chain to it")
+        warnings += problems
+        warnings += [_expiry_warning(ca, now, ca_name, warn_days) for ca in cas]
+    return [w for w in warnings if w]
+
+
+def server_credentials(security: ServerSecurity) -> grpc.ServerCredentials:
+    """TLS credentials for `security`; with a client CA, clients must present a certificate
+    chaining to it (mTLS). The PEM inputs are checked first (`check_tls`; its warnings are the
+    caller's: `splitspec serve` prints them at start-up).
+
+    Raises:
+        ValueError: `security` has no TLS certificate; a `check_tls` refusal.
     """
     if not security.tls:
         raise ValueError("no TLS certificate configured")
+    check_tls(security.tls_cert, security.tls_key, security.tls_client_ca)
     return grpc.ssl_server_credentials(
         [(security.tls_key, security.tls_cert)], root_certificates=security.tls_client_ca,
         require_client_auth=security.tls_client_ca is not None)

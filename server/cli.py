@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import socket
 from functools import partial
 from pathlib import Path
 
 from splitspec.shared.compute import loaded_on_compute_thread
-from splitspec.shared.config import (ServerLimits, ServerSecurity, parse_size, port_number, read_tokens,
-                                     tokens_from_env)
+from splitspec.shared.config import (CLIENT_KEEPALIVE_TIME_S, ServerLimits, ServerSecurity, at_least, parse_size,
+                                     port_number, read_tokens, tokens_from_env)
 from splitspec.shared.drafters.spec import DrafterSpec
 from splitspec.shared.models import DEFAULT_TARGET, check_device, load_model
+
+log = logging.getLogger(__name__)
 
 
 def add_server_parsers(sub, behind_link=None) -> None:
@@ -74,9 +78,11 @@ def _add_service_args(p: argparse.ArgumentParser) -> None:
                         "graphs (server/graphs.py; --device cuda only; batched steps stay eager)")
     p.add_argument("--keepalive", type=float, default=d.keepalive_time_s, help="ping interval, s")
     p.add_argument("--keepalive-timeout", type=float, default=d.keepalive_timeout_s, help="ping ack deadline, s")
-    p.add_argument("--min-ping-interval", type=float, default=d.min_ping_interval_s,
-                   help="clients may ping this often, s (must not exceed the clients' keepalive)")
-    p.add_argument("--grace", type=float, default=5.0, help="on SIGTERM/SIGINT: seconds in-flight steps may finish")
+    p.add_argument("--min-ping-interval", type=min_ping_interval, default=d.min_ping_interval_s,
+                   help=f"clients may ping this often, s (at most the splitspec client's keepalive, "
+                        f"{CLIENT_KEEPALIVE_TIME_S:g} s)")
+    p.add_argument("--grace", type=at_least(0, finite=True), default=5.0,
+                   help="on SIGTERM/SIGINT: seconds in-flight steps may finish")
     p.add_argument("--auth-token-file", default=None,
                    help="accepted bearer tokens, one per line (else $SPLITSPEC_AUTH_TOKENS; none = no auth)")
     p.add_argument("--tls-cert", default=None, help="PEM server certificate chain (enables TLS)")
@@ -84,6 +90,27 @@ def _add_service_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-client-ca", default=None, help="PEM CA that client certificates must chain to (mTLS)")
     p.add_argument("--metrics-port", type=port_number, default=None, help="export Prometheus metrics on this port")
     p.add_argument("--metrics-host", default="127.0.0.1")
+
+
+def min_ping_interval(text: str) -> float:
+    """argparse type of --min-ping-interval: finite seconds > 0, at most the splitspec client's
+    keepalive interval (`CLIENT_KEEPALIVE_TIME_S`). A longer one makes the server count each
+    keepalive ping of an idle client as a strike and, after `max_ping_strikes`, close its
+    connection with GOAWAY too_many_pings (a call in flight then fails with UNAVAILABLE).
+
+    Raises:
+        argparse.ArgumentTypeError: out of range.
+    """
+    seconds = at_least(0, strict=True, finite=True)(text)
+    if seconds > CLIENT_KEEPALIVE_TIME_S:
+        raise argparse.ArgumentTypeError(
+            f"must be <= {CLIENT_KEEPALIVE_TIME_S:g}, got {text}: splitspec clients ping every "
+            f"{CLIENT_KEEPALIVE_TIME_S:g} s, and the server would count each of those pings as a strike "
+            "and close idle clients' connections (GOAWAY too_many_pings)")
+    return seconds
+
+
+min_ping_interval.__name__ = "float"  # argparse: "invalid float value" for text that is no number
 
 
 def server_limits(args) -> ServerLimits:
@@ -104,8 +131,51 @@ def server_security(args) -> ServerSecurity:
     """ServerSecurity from the serve flags and $SPLITSPEC_AUTH_TOKENS (files read here, once)."""
     read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
     tokens = read_tokens(args.auth_token_file) if args.auth_token_file else tokens_from_env()
-    return ServerSecurity(tokens=tokens, tls_cert=read(args.tls_cert), tls_key=read(args.tls_key),
-                          tls_client_ca=read(args.tls_client_ca))
+    security = ServerSecurity(tokens=tokens, tls_cert=read(args.tls_cert), tls_key=read(args.tls_key),
+                              tls_client_ca=read(args.tls_client_ca))
+    if security.tls:  # gRPC would only say "Failed to bind", after the model loads
+        from .auth import check_tls
+
+        for warning in check_tls(security.tls_cert, security.tls_key, security.tls_client_ca,
+                                 cert_name=f"--tls-cert {args.tls_cert}", key_name=f"--tls-key {args.tls_key}",
+                                 ca_name=f"--tls-client-ca {args.tls_client_ca}"):
+            log.warning("%s", warning)
+    return security
+
+
+_ANY_HOST = ("", "0.0.0.0", "::", "[::]")
+
+
+def reserve_metrics_port(host: str, port: int | None, service_host: str, service_port: int) -> socket.socket | None:
+    """Bind and listen on the metrics address now, before the model loads, so that a busy
+    --metrics-port fails at once, naming host:port, instead of after the verify service has been
+    announced and started; the returned socket holds the port until it is closed (just before
+    `serve` binds it). None for no metrics or port 0 (any free port).
+
+    Raises:
+        ValueError: --metrics-port is the service's own --port.
+        OSError: the address cannot be bound (message "metrics port HOST:PORT: ...").
+    """
+    if not port:
+        return None
+    if port == service_port and (host == service_host or host in _ANY_HOST or service_host in _ANY_HOST):
+        raise ValueError(f"--metrics-port {port} is also the verify service's --port; give the metrics another port")
+    shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as err:
+        raise OSError(f"metrics port {shown}: {err.strerror or err} (--metrics-host/--metrics-port)") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the metrics server itself binds
+        sock.bind(address)
+        sock.listen(1)  # a listening socket keeps other processes off the port while the model loads
+    except OSError as err:
+        sock.close()
+        why = (err.strerror or str(err)).lower()
+        raise OSError(f"metrics port {shown}: {why} (--metrics-port)") from None
+    return sock
 
 
 def hosted_lsa_modules(names: list[str], target: str, model, tokenizer, model_id: str, device: str) -> dict:
@@ -142,6 +212,7 @@ def cmd_serve(args, behind_link=None) -> None:
         raise ValueError("--cuda-graphs needs --device cuda (on a CPU the fixed-shape step only costs more)")
     check_device(args.device)
     limits, security = server_limits(args), server_security(args)  # bad flags fail before the model loads
+    metrics_hold = reserve_metrics_port(args.metrics_host, args.metrics_port, args.host, args.port)
 
     def build_runner() -> TargetRunner:
         model, tokenizer, model_id = load_model(args.target, device=args.device, dtype=args.dtype,
@@ -153,9 +224,15 @@ def cmd_serve(args, behind_link=None) -> None:
         return runner
 
     # loaded on the thread that will run every model step: one OpenMP pool (shared/compute.py)
-    worker, runner = loaded_on_compute_thread("target", build_runner)
+    try:
+        worker, runner = loaded_on_compute_thread("target", build_runner)
+    finally:
+        if metrics_hold is not None:
+            metrics_hold.close()  # serve binds it next
+    # SIGHUP reads the token file again (rotation without a restart)
+    reload_tokens = partial(read_tokens, args.auth_token_file) if args.auth_token_file and security.tokens else None
     serve_kw = dict(security=security, grace_s=args.grace, metrics_port=args.metrics_port,
-                    metrics_host=args.metrics_host, worker=worker)
+                    metrics_host=args.metrics_host, worker=worker, reload_tokens=reload_tokens)
     if args.link is None:
         asyncio.run(serve(runner, args.host, args.port, limits, **serve_kw))
         return

@@ -215,6 +215,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                            held=lambda: sum(e.kv_tokens + e.step_tokens for e in list(self.sessions.values())))
         self.rate = RateLimiter(limits.rate_limit_per_s, limits.rate_limit_burst) if limits.rate_limit_per_s else None
         self.authenticated = authenticated
+        self.auth = None  # the BearerAuthInterceptor (create_server), whose tokens SIGHUP reloads
         self.metrics = metrics if metrics is not None else ServiceMetrics()
         self.metrics.track(lambda: len(self.sessions), lambda: self.kv.tokens, lambda: self.kv.bytes)
         self.draining = False
@@ -734,6 +735,7 @@ async def create_server(runner: TargetRunner, address: str = "127.0.0.1:0",
                                                   on_refusal=lambda method: metrics.refused(method, "UNAUTHENTICATED")))
     server = grpc.aio.server(options=server_options(limits), interceptors=interceptors)
     servicer = VerifyServicer(runner, limits, metrics=metrics, authenticated=bool(security.tokens), worker=worker)
+    servicer.auth = interceptors[0] if interceptors else None  # its TokenSet is swapped on SIGHUP (`serve`)
     server.add_generic_rpc_handlers((service_handlers(servicer),))
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -769,6 +771,26 @@ async def shutdown(server: grpc.aio.Server, servicer: VerifyServicer, health, gr
     return drained
 
 
+def _reload_tokens(servicer: VerifyServicer, reload_tokens) -> None:
+    """SIGHUP: swap the accepted bearer tokens for `reload_tokens()` (the token file read again).
+    Calls already admitted finish; a session opened under a token that is no longer accepted answers
+    only that token, so its client, once it presents a new one, gets NOT_FOUND and reopens. A token
+    file that cannot be read or holds no token keeps the current tokens (an error line says why).
+    SIGHUP ended the process before, without draining."""
+    if reload_tokens is None or servicer.auth is None:
+        print("splitspec verify service: SIGHUP ignored (no --auth-token-file to read again)", file=sys.stderr,
+              flush=True)
+        return
+    try:
+        tokens = TokenSet(reload_tokens())
+    except (OSError, ValueError) as err:
+        print(f"splitspec verify service: SIGHUP: the tokens were not reloaded ({err}); the current ones stay",
+              file=sys.stderr, flush=True)
+        return
+    servicer.auth.tokens = tokens
+    print(f"splitspec verify service: SIGHUP: {tokens.count} bearer token(s) reloaded", flush=True)
+
+
 def _exit_now(sig: int) -> None:
     """A second SIGINT / SIGTERM during shutdown: end the process now (status 128 + the signal),
     abandoning the running model step (a 4,000-token prefill on a CPU: over a minute, longer than
@@ -787,10 +809,13 @@ def _is_loopback(host: str) -> bool:
 
 async def serve(runner: TargetRunner, host: str, port: int, limits: ServerLimits, grace_s: float = 5.0,
                 on_bound=None, security: ServerSecurity = ServerSecurity(), metrics_port: int | None = None,
-                metrics_host: str = "127.0.0.1", worker: ThreadPoolExecutor | None = None) -> None:
+                metrics_host: str = "127.0.0.1", worker: ThreadPoolExecutor | None = None,
+                reload_tokens=None) -> None:
     """Serve until SIGINT/SIGTERM, then shut down gracefully (see `shutdown`).
     `on_bound(port)` is called once the service listens; `metrics_port` exports Prometheus metrics;
-    `worker`: the `compute_thread` that loaded the runner's model (see `VerifyServicer`).
+    `worker`: the `compute_thread` that loaded the runner's model (see `VerifyServicer`);
+    `reload_tokens()`: the accepted bearer tokens read again (--auth-token-file), called on SIGHUP
+    (token rotation without a restart; without it SIGHUP is logged and ignored).
 
     Raises:
         ValueError: a port outside 0..65535 (gRPC would listen on it modulo 65536).
@@ -825,6 +850,7 @@ async def serve(runner: TargetRunner, host: str, port: int, limits: ServerLimits
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, _reload_tokens, servicer, reload_tokens)
 
     async def sweep():
         while not stop.is_set():

@@ -12,6 +12,9 @@ from pathlib import Path
 TOKEN_ENV = "SPLITSPEC_AUTH_TOKENS"  # the server's accepted tokens, one per line or comma-separated
 CLIENT_TOKEN_ENV = "SPLITSPEC_AUTH_TOKEN"  # the token a client presents
 MIN_TOKEN_CHARS = 16
+# how often the splitspec client pings the server (client/transport.py `channel_options`): the
+# server's `min_ping_interval_s` must not exceed it, or idle clients get GOAWAY too_many_pings
+CLIENT_KEEPALIVE_TIME_S = 30.0
 _TOKEN_RE = re.compile(r"[\x21-\x7e]+")  # printable ASCII without spaces: a valid metadata value
 
 
@@ -133,18 +136,19 @@ def tokens_from_env(name: str = TOKEN_ENV) -> tuple[str, ...]:
     return tuple(check_token(t.strip()) for t in re.split(r"[,\n]", raw) if t.strip())
 
 
-def at_least(low: float, kind: type = float, strict: bool = False):
+def at_least(low: float, kind: type = float, strict: bool = False, finite: bool = False):
     """argparse type of a number of `kind` (int or float) >= `low` (> `low` when `strict`); NaN is
-    refused. Text that is no `kind` raises ValueError, which argparse reports as "invalid float value"
-    (or int), the type's name being `kind`'s.
+    refused, and infinity too when `finite`. Text that is no `kind` raises ValueError, which argparse
+    reports as "invalid float value" (or int), the type's name being `kind`'s.
 
     Raises:
         argparse.ArgumentTypeError: the number is out of range.
     """
     def parse(text: str):
         number = kind(text)
-        if not (number > low if strict else number >= low):  # NaN fails both
-            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low:g}, got {text}")
+        if not (number > low if strict else number >= low) or (finite and not math.isfinite(number)):  # NaN fails
+            raise argparse.ArgumentTypeError(
+                f"must be {'a finite number ' if finite else ''}{'>' if strict else '>='} {low:g}, got {text}")
         return number
     parse.__name__ = kind.__name__
     return parse

@@ -404,10 +404,14 @@ def test_tls_and_mtls(spied, serve, pki):
     verifier = RemoteVerifier(tls.address, timeout_s=10, token=TOKEN, tls_ca=pki["ca"])
     assert verifier.info.vocab_size == 512
     verifier.close()
-    with pytest.raises(ConnectionError):  # a plaintext client cannot talk to a TLS server
-        RemoteVerifier(tls.address, timeout_s=5, connect_timeout_s=1, token=TOKEN)
-    with pytest.raises(ConnectionError):  # nor one that trusts another CA
-        RemoteVerifier(tls.address, timeout_s=5, connect_timeout_s=1, token=TOKEN, tls_ca=pki["rogue_ca"])
+    # a plaintext client cannot talk to a TLS server, nor one that trusts another CA: said at once
+    # with gRPC's reason (qa-ops F5: the whole connect timeout, then "no verify service reachable")
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match="require TLS"):
+        RemoteVerifier(tls.address, timeout_s=5, connect_timeout_s=20, token=TOKEN)
+    with pytest.raises(ConnectionError, match="refused the connection's setup"):
+        RemoteVerifier(tls.address, timeout_s=5, connect_timeout_s=20, token=TOKEN, tls_ca=pki["rogue_ca"])
+    assert time.monotonic() - start < 10
     with pytest.raises(grpc.RpcError) as err:  # TLS does not replace the token
         RemoteVerifier(tls.address, timeout_s=10, tls_ca=pki["ca"])
     assert err.value.code() == C.UNAUTHENTICATED
@@ -970,12 +974,34 @@ def test_cli_serve_with_tls_token_and_metrics(stories_path, pki, tmp_path, capsy
         assert 1 <= m["splitspec_verify_steps_total"] <= 12 and m["splitspec_sessions"] == 0
         assert m["splitspec_draft_tokens_total"] >= m["splitspec_accepted_tokens_total"]
         assert m["splitspec_refusals_total{code=UNAUTHENTICATED,method=Info}"] == 1
+        # rotation: SIGHUP reads the token file again (qa-ops F3: it ended the server, undrained)
+        rotated = "tok-" + secrets.token_hex(12)
+        (tmp_path / "tokens").write_text(f"{rotated}\n")
+        proc.send_signal(signal.SIGHUP)
+
+        def info(with_token: str):
+            channel = make_channel(f"127.0.0.1:{port}", token=with_token, tls_ca=pki["ca"])
+            try:
+                return pb_grpc.VerifyServiceStub(channel).Info(pb.InfoRequest(), timeout=10)
+            finally:
+                channel.close()
+
+        deadline = time.monotonic() + 30
+        while True:  # the reload is asynchronous to this test
+            try:
+                info(rotated)
+                break
+            except grpc.RpcError as err:
+                assert err.code() == C.UNAUTHENTICATED and time.monotonic() < deadline, err
+                time.sleep(0.2)
+        assert _refused(C.UNAUTHENTICATED, lambda: info(token)).details()
+        assert proc.poll() is None
     finally:
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, output
-    assert "shutting down" in output and "stopped" in output
-    assert token not in output
+    assert "shutting down" in output and "stopped" in output and "1 bearer token(s) reloaded" in output
+    assert token not in output and rotated not in output
 
 
 _SLOW_PREFILL_SERVER = """
