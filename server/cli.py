@@ -160,21 +160,36 @@ def reserve_metrics_port(host: str, port: int | None, service_host: str, service
         return None
     if port == service_port and (host == service_host or host in _ANY_HOST or service_host in _ANY_HOST):
         raise ValueError(f"--metrics-port {port} is also the verify service's --port; give the metrics another port")
+    return _reserve(host, port, "metrics port", "--metrics-host/--metrics-port")
+
+
+def reserve_service_port(host: str, port: int) -> socket.socket | None:
+    """As `reserve_metrics_port`, for the verify service's own --port (None for port 0): a busy
+    port was found only after the model had loaded ("Failed to bind to address")."""
+    return _reserve(host, port, "port", "--host/--port") if port else None
+
+
+def _reserve(host: str, port: int, what: str, flags: str) -> socket.socket:
+    """A socket bound and listening on host:port (SO_REUSEADDR, as the servers bind).
+
+    Raises:
+        OSError: it cannot be bound, "WHAT HOST:PORT: why (FLAGS)".
+    """
     shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
         sock = socket.socket(family, kind, proto)
     except OSError as err:
-        raise OSError(f"metrics port {shown}: {err.strerror or err} (--metrics-host/--metrics-port)") from None
+        raise OSError(f"{what} {shown}: {err.strerror or err} ({flags})") from None
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the metrics server itself binds
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
         sock.listen(1)  # a listening socket keeps other processes off the port while the model loads
     except OSError as err:
         sock.close()
         why = (err.strerror or str(err)).lower()
-        raise OSError(f"metrics port {shown}: {why} (--metrics-port)") from None
+        raise OSError(f"{what} {shown}: {why} ({flags})") from None
     return sock
 
 
@@ -213,6 +228,12 @@ def cmd_serve(args, behind_link=None) -> None:
     check_device(args.device)
     limits, security = server_limits(args), server_security(args)  # bad flags fail before the model loads
     metrics_hold = reserve_metrics_port(args.metrics_host, args.metrics_port, args.host, args.port)
+    try:  # behind an emulated link the service binds elsewhere (netsim)
+        service_hold = reserve_service_port(args.host, args.port) if args.link is None else None
+    except OSError:
+        if metrics_hold is not None:
+            metrics_hold.close()
+        raise
 
     def build_runner() -> TargetRunner:
         model, tokenizer, model_id = load_model(args.target, device=args.device, dtype=args.dtype,
@@ -227,8 +248,9 @@ def cmd_serve(args, behind_link=None) -> None:
     try:
         worker, runner = loaded_on_compute_thread("target", build_runner)
     finally:
-        if metrics_hold is not None:
-            metrics_hold.close()  # serve binds it next
+        for hold in (metrics_hold, service_hold):
+            if hold is not None:
+                hold.close()  # serve binds it next
     # SIGHUP reads the token file again (rotation without a restart)
     reload_tokens = partial(read_tokens, args.auth_token_file) if args.auth_token_file and security.tokens else None
     serve_kw = dict(security=security, grace_s=args.grace, metrics_port=args.metrics_port,

@@ -179,6 +179,17 @@ def test_a_busy_metrics_port_fails_before_the_service_starts_naming_it(no_model,
     assert f"metrics port 127.0.0.1:{port}: address already in use" in line
 
 
+def test_a_busy_service_port_fails_before_the_model_loads(no_model, capsys):
+    """The verify service's own --port: in use, it was found after the model load, as gRPC's
+    "Failed to bind to address"."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        line = _refused(capsys, "--port", port)
+    assert f"port 127.0.0.1:{port}: address already in use" in line and "--port" in line
+
+
 def test_the_metrics_port_may_not_be_the_service_port(no_model, capsys):
     port = _free_port()
     line = _refused(capsys, "--port", port, "--metrics-port", port)
