@@ -69,6 +69,10 @@ class ServerLimits:
             zero_ok = f.name in ("max_ping_strikes", "batch_window_ms")
             if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
                 raise ValueError(f"server limit {f.name} must be {'>= 0' if zero_ok else '> 0'}, got {value}")
+        if self.min_ping_interval_s > CLIENT_KEEPALIVE_TIME_S:
+            raise ValueError(f"server limit min_ping_interval_s must be <= {CLIENT_KEEPALIVE_TIME_S:g} (the splitspec "
+                             f"client pings that often; each ping would be a strike: GOAWAY too_many_pings), got "
+                             f"{self.min_ping_interval_s}")
 
 
 @dataclass(frozen=True)

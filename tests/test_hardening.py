@@ -152,6 +152,8 @@ def test_config_validation(tmp_path, monkeypatch):
         ServerLimits(max_sessions=0)
     with pytest.raises(ValueError):
         ServerLimits(rate_limit_per_s=-1.0)
+    with pytest.raises(ValueError, match="too_many_pings"):  # not only the CLI checks it (qa-ops F7)
+        ServerLimits(min_ping_interval_s=31.0)
     with pytest.raises(ValueError, match="at least"):
         ServerSecurity(tokens=("short",))
     with pytest.raises(ValueError, match="printable"):
