@@ -221,7 +221,9 @@ class _LinearFit:
         x_mean, y_mean = np.average(xs, weights=w), np.average(ys, weights=w)
         sxx = float((w * (xs - x_mean) ** 2).sum())
         sxy = float((w * (xs - x_mean) * (ys - y_mean)).sum())
-        b = (sxy + lam * prior_b) / (sxx + lam)
+        # never below 0: more positions (levels, rows) cannot cost less; timing noise that hit the
+        # small calls gave a negative slope, and the largest tree then looked free (qa session 54)
+        b = max((sxy + lam * prior_b) / (sxx + lam), 0.0)
         a = y_mean - b * x_mean
         return lambda x: max(a + b * x, 0.0)
 
