@@ -383,6 +383,10 @@ class _Run:
         tic = time.perf_counter()
         # the tree's depth leaves room for the bonus token within the budget
         limits = self._limits(answer.budget - answer.answer_len - 1, room)
+        if limits.max_depth < 1:  # the last token of the budget or the context: the bonus token alone
+            if self.planner is not None:  # no tree sent, none chosen (the planner counted a 1x1x1 here)
+                self.stats.trees["none"] = self.stats.trees.get("none", 0) + 1
+            return Proposal(DraftTree.empty())
         if self.planner is not None:
             tree = self.planner.choose(limits.max_depth, limits.max_nodes)
             shape = "none" if tree is None else f"{tree.depth}x{tree.top_b}x{tree.max_nodes}"

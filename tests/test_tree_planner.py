@@ -75,6 +75,20 @@ def _feed(planner: TreePlanner, link_ms: float, accepted_share: float, steps: in
         planner.observe(tree, [1, 2, 3, 4, 5, 6][:depth], CallStats(forward + link_ms, forward, forward), 10.0 * 6)
 
 
+def test_noise_that_hit_small_calls_does_not_make_big_trees_free():
+    """A busy spell that slowed the one-position calls more than the larger ones fitted a negative
+    verify slope; clamped at 0 ms, a 25-position verify looked free and the planner chose the largest
+    tree. The slope is now never below 0 (a flat cost: what the noisy points allow at most)."""
+    planner = TreePlanner()
+    for i in range(40):
+        size = (1, 4, 8)[i % 3]
+        forward = {1: 60.0, 4: 40.0, 8: 30.0}[size]
+        tree = DraftTree.chain(list(range(1, size + 1)))
+        planner.observe(tree, [1], CallStats(forward + 5.0, forward + 2.0, forward), 5.0)
+    line = planner.verify_fit.line(planner.config.verify_slope_prior, 1.0)
+    assert line(25) >= line(8) >= line(1) > 0  # it was 0 ms at 25 positions
+
+
 def test_a_slow_link_buys_deeper_trees():
     fast, slow = TreePlanner(), TreePlanner()
     _feed(fast, link_ms=0.0, accepted_share=0.5)
@@ -172,8 +186,13 @@ def test_adaptive_trees_decode_exactly(stories, stories_path):
         assert gen.tokens == ref
         assert sum(gen.stats.trees.values()) == gen.stats.target_calls - 1  # one choice per call after the open
         assert "trees" in gen.stats.as_dict()
+    # two tokens: the step after the open has room for the bonus token only; it sends no tree, and the
+    # stats said "1x1x1" for it (qa session 54)
     assert decoder.planner.verify_fit.points and decoder.planner.offered.sum() > 0
     assert decoder.planner.commit_fit.points  # the drafter's commit after each step is timed and priced
+    fresh = SpeculativeDecoder(LocalVerifier(runner), drafter, planner=TreePlanner())  # it sends trees first
+    gen = fresh.generate(tokenizer("Once upon a time")["input_ids"], 2, stop_on_eos=False)
+    assert gen.stats.trees == {"none": 1} and gen.stats.draft_tokens == 0
 
 
 def test_a_planner_needs_a_drafter_with_a_tree(stories):
