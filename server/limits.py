@@ -28,11 +28,16 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     `config` is a transformers model config (num_hidden_layers, num_attention_heads, hidden_size,
     optional num_key_value_heads and head_dim).
     """
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads, head_dim = _kv_heads_and_dim(config)
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_hidden_layers * kv_heads * head_dim * element
+
+
+def _kv_heads_and_dim(config) -> tuple[int, int]:
+    """(KV heads, head_dim) of a transformers config (num_key_value_heads and head_dim optional)."""
+    heads = config.num_attention_heads
+    return (getattr(config, "num_key_value_heads", None) or heads,
+            getattr(config, "head_dim", None) or config.hidden_size // heads)
 
 
 def reply_feature_bytes(config, spec: FeatureRequest, positions: int, lsa_width: int = 0) -> int:
@@ -41,9 +46,7 @@ def reply_feature_bytes(config, spec: FeatureRequest, positions: int, lsa_width:
     lsa [P, `lsa_width`]; 2 bytes an element unquantized (fp16 on the wire), 1 quantized plus a
     4-byte scale per row; zstd never grows a tensor by more than 1/256 + a frame's few bytes
     (ZSTD_compressBound); 256 bytes per tensor cover its header. `config`: as `kv_bytes_per_token`."""
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads, head_dim = _kv_heads_and_dim(config)
     quantized = spec.quantization != pb.QUANTIZATION_NONE
     element, scale = (1, 4) if quantized else (2, 0)
     per_position = len(spec.hidden_layers) * (config.hidden_size * element + scale)

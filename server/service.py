@@ -23,6 +23,7 @@ one OpenMP pool per process, or every small kernel of a step pays a wake-up (tha
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import ipaddress
 import logging
@@ -33,7 +34,6 @@ import threading
 import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
-import dataclasses
 from dataclasses import dataclass, field
 
 import grpc
@@ -103,7 +103,7 @@ class _Step:
     draft_probs: dict
     forced: tuple
     arrived: float
-    wire: FeatureRequest | None = None  # the encoding its reply's features travel in (`_wire_features`)
+    wire: FeatureRequest  # the encoding its reply's features travel in (`_wire_features`)
     done: bool = False
     reply: pb.VerifyReply | None = None
     error: BaseException | None = None
@@ -401,8 +401,9 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
             if not entry.session.sampling.greedy and request.HasField("draft_probs"):
                 draft_probs = await self._parse(check_draft_probs, request.draft_probs, tree,
                                                 vocab_size=self.runner.vocab_size, limits=self.limits)
-            reserved = self._reserve_step(entry, request.step, step_positions(tree, forced))
-            wire = self._wire_features(entry.session.features, step_positions(tree, forced))
+            positions = step_positions(tree, forced)
+            reserved = self._reserve_step(entry, request.step, positions)
+            wire = self._wire_features(entry.session.features, positions)
             item = _Step(entry, request.step, tree, draft_probs, forced, arrived, wire)
             with self._waiting_lock:
                 self._waiting.append(item)
@@ -552,7 +553,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         reply = pb.VerifyReply(
             step=item.step, accepted_nodes=out.accept.accepted_nodes, accepted_tokens=out.accepted_tokens,
             bonus_token=out.accept.bonus_token, bonus_recovered=out.accept.recovered,
-            features=out.features.to_pb(item.wire or session.features),
+            features=out.features.to_pb(item.wire),
             timings=_timings(item.arrived, (started - item.arrived) * 1e3, out.forward_ms))
         session.step = item.step
         entry.last_reply = reply
