@@ -357,10 +357,6 @@ class _Run:
             plan = plan_step(self.answer, self.server, StepLimits(min(limits.max_tree_depth, room),
                                                                   min(limits.max_tree_nodes, room), limits.sampled))
         tree, probs = plan.tree, plan.draft_probs
-        if probs and self.privacy is not None:  # an offline chain's rows: none may name private text
-            root = self.server.cached + max(len(plan.forced), 1) - 1
-            if self.privacy.rows_leak(self.answer.context[:root + 1], tree, probs):
-                probs = {}  # the chain goes as one-hot proposals, verified exactly all the same
         drafted, own_nodes = tree is None, None
         if drafted:
             draft_start = self.stats.draft_ms

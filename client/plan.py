@@ -73,9 +73,12 @@ def _forced_run(answer: Answer, server: ServerView) -> tuple[tuple[int, ...], in
 
 
 def _offline_chain(answer: Answer, forced: tuple[int, ...], root: int, limits: StepLimits) -> StepPlan:
-    """The offline tokens after `root` as a chain, with their rows when every one is known."""
+    """The offline tokens after `root` as a chain, with their rows when every one is known and none
+    names private text (client/privacy.py `rows_leak`)."""
     end = answer.run_end(root + 1, (Provenance.OFFLINE,), min(limits.max_tree_depth, limits.max_tree_nodes))
     tree = DraftTree.chain([answer.context[p] for p in range(root + 1, end)])
     rows = {i - 1 if i else ROOT: answer.rows.get(root + 1 + i) for i in range(tree.size)}
     known = limits.sampled and all(row is not None for row in rows.values())
-    return StepPlan(forced, tree, rows if known else {})  # else one-hot rows on the server
+    if known and answer.privacy is not None and answer.privacy.rows_leak(answer.context[:root + 1], tree, rows):
+        known = False
+    return StepPlan(forced, tree, rows if known else {})  # else one-hot rows on the server: verified exactly all the same

@@ -55,6 +55,26 @@ def test_sampled_offline_tokens_travel_with_their_rows_only_when_every_row_is_kn
     assert plan_step(partly, ServerView(3, 7), SAMPLED).draft_probs == {}  # one-hot rows on the server
 
 
+def test_offline_rows_that_name_private_text_are_not_sent():
+    """The drafter wrote an offline row after the private prompt token 2 giving weight to 3 (the
+    private bigram 2 -> 3): the chain goes with no rows (one-hot proposals on the server, exact all
+    the same); without that entry its rows travel."""
+    from splitspec.client.privacy import PrivacyGuard
+
+    guard = PrivacyGuard(tuple(PROMPT), (False, True, True), placeholder=99, ngram=2)
+
+    def answer_with(second_row: SparseProbs) -> Answer:
+        answer = Answer(PROMPT, 16, eos={0}, privacy=guard, emit=[].append)
+        answer.append([7], Provenance.TARGET)
+        answer.append([2, 5], Provenance.OFFLINE, [_row(2), second_row])
+        return answer
+
+    naming = answer_with(SparseProbs(torch.tensor([5, 3]), torch.tensor([0.5, 0.5])))
+    assert plan_step(naming, ServerView(3, 7), SAMPLED).draft_probs == {}
+    public = answer_with(_row(5))
+    assert set(plan_step(public, ServerView(3, 7), SAMPLED).draft_probs) == {ROOT, 0}
+
+
 def test_kept_tokens_replace_the_pending_token_as_forced_tokens():
     answer = _answer(([7], Provenance.TARGET), ([20, 21], Provenance.KEPT))
     plan = plan_step(answer, ServerView(cached=3, pending=7), GREEDY)
