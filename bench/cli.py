@@ -1,5 +1,5 @@
 """The bench room's commands: `splitspec bench`, `splitspec demo`, `splitspec offline-eval`,
-`splitspec serve-bench`, `splitspec verify-cost` and `splitspec long-bench`.
+`splitspec serve-bench`, `splitspec prefill-bench`, `splitspec verify-cost` and `splitspec long-bench`.
 
 `add_bench_parsers` adds them to the top-level parser (cli/main.py). The models, the loop and the
 plotting and evaluation packages load when a command runs, so that `splitspec --help` stays quick.
@@ -18,11 +18,12 @@ BACKENDS = ("relay",)  # link emulation backends bench can drive
 
 
 def add_bench_parsers(sub) -> None:
-    """bench, demo, offline-eval, serve-bench, verify-cost and long-bench."""
+    """bench, demo, offline-eval, serve-bench, prefill-bench, verify-cost and long-bench."""
     _add_bench_parser(sub)
     _add_demo_parser(sub)
     _add_offline_eval_parser(sub)
     _add_serve_bench_parser(sub)
+    _add_prefill_bench_parser(sub)
     _add_verify_cost_parser(sub)
     _add_long_bench_parser(sub)
 
@@ -100,6 +101,35 @@ def cmd_verify_cost(args) -> None:
     from .verify_cost_bench import cmd_verify_cost as run
 
     run(args)
+
+
+def cmd_prefill_bench(args) -> None:
+    from .prefill_bench import cmd_prefill_bench as run
+
+    run(args)
+
+
+def _chunks(text: str) -> list[int]:
+    """An argparse type: '0,128,512' -> [0, 128, 512] (prefill chunks in tokens; 0 = one forward)."""
+    try:
+        chunks = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, got {text!r}") from None
+    if not chunks or min(chunks) < 0 or len(set(chunks)) != len(chunks):
+        raise argparse.ArgumentTypeError(f"chunks must be distinct counts >= 0 (0 = one forward), got {text!r}")
+    return chunks
+
+
+def _add_prefill_bench_parser(sub) -> None:
+    p = sub.add_parser("prefill-bench", help="a long prompt's cost to another session's steps, chunked prefill on and off")
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--chunks", type=_chunks, default=[0, 128, 512],
+                   help="server --prefill-chunk values compared, comma-separated (0 = one forward per prompt)")
+    p.add_argument("--prompt-tokens", type=at_least(1, int), default=2000, help="tokens of each long prompt")
+    p.add_argument("--rounds", type=at_least(1, int), default=3, help="long prompts per chunk size")
+    p.add_argument("--threads", type=at_least(1, int), default=None, help="the server's torch threads (default: torch's)")
+    p.add_argument("--out", default=None, help="also write the table to this file")
+    p.set_defaults(func=cmd_prefill_bench)
 
 
 def _add_verify_cost_parser(sub) -> None:

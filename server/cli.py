@@ -69,6 +69,9 @@ def _add_service_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-window-ms", type=float, default=d.batch_window_ms,
                    help="a free model worker waits up to this long for the next steps of the other sessions due "
                         "inside it (by each session's measured turnaround; a lone session never waits); 0 = off")
+    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
+                   help="prefill prompts in forwards of at most this many tokens, scoring the verify steps of other "
+                        "sessions queued meanwhile between them (chunked prefill); 0 = one forward per prompt")
     p.add_argument("--batching", choices=["ragged", "padded"], default="ragged",
                    help="how steps share a forward: ragged (trees end to end, attention per session against its own "
                         "cache; used where the target's attention is SDPA's, else padded) or padded (caches copied "
@@ -124,7 +127,8 @@ def server_limits(args) -> ServerLimits:
                         max_total_kv_bytes=args.max_kv_bytes, rate_limit_per_s=args.rate_limit or None,
                         rate_limit_burst=args.rate_burst, keepalive_time_s=args.keepalive,
                         keepalive_timeout_s=args.keepalive_timeout, min_ping_interval_s=args.min_ping_interval,
-                        max_batch=args.max_batch, batch_window_ms=args.batch_window_ms)
+                        max_batch=args.max_batch, batch_window_ms=args.batch_window_ms,
+                        prefill_chunk=args.prefill_chunk or None)
 
 
 def server_security(args) -> ServerSecurity:

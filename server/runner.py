@@ -39,6 +39,20 @@ class TargetSession:
     history: list[int] = field(default_factory=list)  # contextual penalty: the text's last tokens before the pending one
 
 
+@dataclass
+class Prefill:
+    """A prompt [P] being prefilled in chunks (`TargetRunner.prefill_chunk`): positions [0, done)
+    are in `cache`, with their features in `batches` and the forward time so far in `forward_ms`."""
+
+    prompt_ids: list[int]
+    features: FeatureRequest
+    cache: object
+    done: int = 0
+    batches: list[FeatureBatch] = field(default_factory=list)
+    forward_ms: float = 0.0
+    last_logits: torch.Tensor | None = None  # [V] of the last position run
+
+
 @dataclass(frozen=True)
 class StepOutput:
     """Result of one verification: accepted path, bonus token, features, forward time (ms)."""
@@ -101,33 +115,67 @@ class TargetRunner:
         `held_bytes`: their inputs, masks and captured outputs), in bytes; 0 without `use_graphs`."""
         return graphs.held_bytes(session.cache)
 
+    def start_prefill(self, prompt_ids: list[int], features: FeatureRequest) -> Prefill:
+        """A prefill of `prompt_ids` [P] that no chunk has run yet (no model work: an empty cache).
+        Run it with `prefill_chunk`, finish it with `open(..., prefill=...)`."""
+        return Prefill(list(prompt_ids), features, kv.new_cache(self.config))
+
     @torch.inference_mode()
-    def open(self, prompt_ids: list[int], sampling: SamplingParams, features: FeatureRequest
-             ) -> tuple[TargetSession, FeatureBatch, float]:
-        """Prefill the prompt [P] and draw the first token.
+    def prefill_chunk(self, prefill: Prefill, max_tokens: int) -> None:
+        """Run the next at most `max_tokens` prompt positions of `prefill` through the target.
+
+        Chunked prefill (vLLM's and transformers' `prefill_chunk_size`): a long prompt is prefilled
+        as several forwards over the growing cache, so the service can score other sessions' verify
+        steps between them and a departed client's prompt stops at the next chunk. Each chunk's
+        features are kept (`FeatureBatch.concat` joins them in `open`). In fp32 the result equals
+        the one-forward prefill up to rounding (the matmul shapes differ), as the target's own
+        `generate()` with `prefill_chunk_size` does.
+
+        Raises:
+            ValueError: `max_tokens` < 1, or no prompt position left.
+        """
+        if max_tokens < 1 or prefill.done >= len(prefill.prompt_ids):
+            raise ValueError(f"a prefill chunk needs max_tokens >= 1 and positions left, got {max_tokens} "
+                             f"at {prefill.done} of {len(prefill.prompt_ids)}")
+        start_pos, stop = prefill.done, min(prefill.done + max_tokens, len(prefill.prompt_ids))
+        ids = torch.tensor([prefill.prompt_ids[start_pos:stop]], device=self.device)
+        spec = prefill.features
+        start = time.perf_counter()
+        out = self.model(input_ids=ids, cache=prefill.cache, use_cache=True,
+                         position_ids=torch.arange(start_pos, stop, device=self.device)[None],
+                         output_hidden_states=bool(spec.hidden_layers), logits_to_keep=1)
+        prefill.forward_ms += self._elapsed_ms(start)
+        prefill.last_logits = out.logits[0, -1]  # [V]
+        prefill.batches.append(self._features(spec, prefill.cache, out.hidden_states,
+                                              list(range(stop - start_pos)), start_pos))
+        prefill.done = stop
+
+    @torch.inference_mode()
+    def open(self, prompt_ids: list[int], sampling: SamplingParams, features: FeatureRequest,
+             prefill: Prefill | None = None) -> tuple[TargetSession, FeatureBatch, float]:
+        """Prefill the prompt [P] (its positions `prefill` has not run yet, in one forward) and draw
+        the first token.
 
         Expects what the service checks first (server/validation.py `check_open`; not re-checked
         here): a non-empty prompt shorter than `max_positions`, token ids < `vocab_size`, and
         `features.lsa_id` empty or one of `lsa_modules` (else KeyError after the prefill).
+        `prefill`: from `start_prefill(prompt_ids, features)`, some chunks already run.
 
         Returns:
-            (session, features of positions [0, P), forward time in ms)
+            (session, features of positions [0, P), forward time in ms of every chunk)
         """
-        cache = kv.new_cache(self.config)
-        ids = torch.tensor([prompt_ids], device=self.device)
-        start = time.perf_counter()
-        out = self.model(input_ids=ids, cache=cache, use_cache=True,
-                         output_hidden_states=bool(features.hidden_layers), logits_to_keep=1)
-        forward_ms = self._elapsed_ms(start)
+        if prefill is None:
+            prefill = self.start_prefill(prompt_ids, features)
+        if prefill.done < len(prompt_ids):
+            self.prefill_chunk(prefill, len(prompt_ids) - prefill.done)
         generator = make_generator(sampling.seed, Stream.TARGET, position=len(prompt_ids))  # a re-open: fresh draws
-        last = out.logits[0, -1]  # [V]
+        last = prefill.last_logits
         history = list(prompt_ids[-sampling.penalty_window:]) if sampling.penalized else []
         if sampling.penalized:
             last = apply_contextual_penalty(last[None].float(), [history], sampling.penalty)[0]
         first = int(last.argmax()) if sampling.greedy else sample(warp_probs(last, sampling), generator)
-        session = TargetSession(sampling, features, cache, first, generator, history=history)
-        rows = list(range(len(prompt_ids)))
-        return session, self._features(session, out.hidden_states, rows, 0), forward_ms
+        session = TargetSession(sampling, features, prefill.cache, first, generator, history=history)
+        return session, FeatureBatch.concat(prefill.batches), prefill.forward_ms
 
     @torch.inference_mode()
     def verify(self, session: TargetSession, tree: DraftTree,
@@ -336,7 +384,7 @@ class TargetRunner:
         sampling = session.sampling
         rows = list(range(len(chain))) + [root + 1 + node for node in result.accepted_nodes]
         kv.keep_rows(session.cache, prefix_len, rows)
-        features = self._features(session, hidden_states, rows, prefix_len)
+        features = self._features(session.features, session.cache, hidden_states, rows, prefix_len)
         session.pending_token = result.bonus_token
         accepted_tokens = tuple(tree.tokens[n] for n in result.accepted_nodes)
         if sampling.penalized:
@@ -351,21 +399,20 @@ class TargetRunner:
                  for kind, window in self.windows.items()}
         return masks if self.per_layer_type else next(iter(masks.values()))
 
-    def _features(self, session: TargetSession, hidden_states, rows: list[int], start: int) -> FeatureBatch:
-        """Features of the committed positions [start, start + len(rows)); `rows` index the forward's
-        query positions. Called after the cache has been compacted."""
+    def _features(self, spec: FeatureRequest, cache, hidden_states, rows: list[int], start: int) -> FeatureBatch:
+        """Features `spec` of the committed positions [start, start + len(rows)); `rows` index the
+        forward's query positions. Called after the cache has been compacted."""
         batch = FeatureBatch(start, len(rows))
-        spec = session.features
         if spec.hidden_layers:
             index = torch.tensor(rows, device=self.device)
             for layer in spec.hidden_layers:
                 batch.hidden[layer] = hidden_states[layer][0].index_select(0, index).cpu()
         for layer in spec.kv_layers:
-            keys, values = kv.layer_kv(session.cache, layer, start, start + len(rows))
+            keys, values = kv.layer_kv(cache, layer, start, start + len(rows))
             batch.keys[layer], batch.values[layer] = keys.cpu(), values.cpu()
         if spec.lsa_id:
             module = self.lsa_modules[spec.lsa_id]
-            per_layer = [kv.layer_kv(session.cache, layer, start, start + len(rows)) for layer in range(self.num_layers)]
+            per_layer = [kv.layer_kv(cache, layer, start, start + len(rows)) for layer in range(self.num_layers)]
             layer_kv = stack_layer_kv([k for k, _ in per_layer], [v for _, v in per_layer])
             dtype = next(module.parameters()).dtype
             with lsa_autocast(len(rows), dtype, layer_kv.device):  # a prompt's LSA in bf16 where faster

@@ -237,6 +237,14 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
             ServiceError: UNAVAILABLE when shutdown dropped the queued work.
             asyncio.CancelledError: the call itself was cancelled.
         """
+        return await self._wait(self._submit(fn, *args, reserved=reserved))
+
+    def _submit(self, fn, *args, reserved: int = 0) -> Future:
+        """Queue `fn(*args)` on the worker (see `_run`); its future's result is (result, start time).
+
+        Raises:
+            RuntimeError: the worker is shut down (`reserved` released).
+        """
         def job():
             started = time.perf_counter()
             return fn(*args), started
@@ -248,6 +256,10 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
             raise
         self._queued.add(future)
         future.add_done_callback(functools.partial(self._work_over, reserved=reserved))
+        return future
+
+    async def _wait(self, future: Future):
+        """Await a `_submit` future (see `_run` for what is raised)."""
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -331,8 +343,8 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         placeholder = _Entry(session_id, None, owner=self._owner(context))  # reserve the slot before awaiting the worker
         self.sessions[session_id] = placeholder
         try:
-            (session, features_pb, forward_ms), started = await self._run(
-                self._open_session, placeholder, prompt, sampling, features, wire, reserved=reserved)
+            (session, features_pb, forward_ms), started = await self._prefill(
+                placeholder, prompt, sampling, features, wire, reserved)
         except BaseException:
             self._forget(placeholder)
             raise
@@ -345,11 +357,43 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         log.debug("session opened: %d prompt tokens, %d sessions", len(prompt), len(self.sessions))
         return reply
 
-    def _open_session(self, entry: _Entry, prompt, sampling, features, wire):
-        """Prefill on the worker thread; records the new cache's length for the KV budget. The
-        prompt's features are quantized and encoded (as `wire`) here too (a tensor op over the
-        whole prompt)."""
-        session, batch, forward_ms = self.runner.open(prompt, sampling, features)
+    async def _prefill(self, entry: _Entry, prompt, sampling, features, wire, reserved: int):
+        """Prefill `prompt` as worker jobs of at most `limits.prefill_chunk` tokens (chunked
+        prefill): verify steps of other sessions queued meanwhile run between the chunks, and a
+        caller that goes away stops the prefill at the next chunk. The KV reservation covers the
+        whole prompt from the first chunk on; it is handed to the last chunk's job, or, when the
+        call ends earlier, released once the chunk running then is over. Returns `_run`'s result of
+        the last job, whose start time is replaced by the first job's."""
+        chunk = self.limits.prefill_chunk
+        prefill = self.runner.start_prefill(prompt, features)
+        first_started = None
+        running: Future | None = None
+        try:
+            while chunk is not None and len(prompt) - prefill.done > chunk:
+                running = self._submit(self._prefill_part, entry, prefill, chunk)
+                _, started = await self._wait(running)
+                first_started = first_started if first_started is not None else started
+            handed, reserved = reserved, 0  # owned by the job from here (`_submit` releases it if it cannot queue)
+            running = self._submit(self._open_session, entry, prompt, sampling, features, wire, prefill, reserved=handed)
+            result, started = await self._wait(running)
+            return result, first_started if first_started is not None else started
+        finally:
+            if reserved:  # not handed to a job: the call ended between or during earlier chunks
+                if running is not None and not running.done():
+                    running.add_done_callback(lambda _, n=reserved: self.kv.release(n))
+                else:
+                    self.kv.release(reserved)
+
+    def _prefill_part(self, entry: _Entry, prefill, max_tokens: int) -> None:
+        """One chunk of a prefill on the worker thread; records the cache's length for the KV budget."""
+        self.runner.prefill_chunk(prefill, max_tokens)
+        entry.kv_tokens = cache_length(prefill.cache)
+
+    def _open_session(self, entry: _Entry, prompt, sampling, features, wire, prefill=None):
+        """Prefill (the rest of `prefill`) on the worker thread and draw the first token; records the
+        new cache's length for the KV budget. The prompt's features are quantized and encoded (as
+        `wire`) here too (a tensor op over the whole prompt)."""
+        session, batch, forward_ms = self.runner.open(prompt, sampling, features, prefill=prefill)
         entry.kv_tokens = cache_length(session.cache)
         return session, batch.to_pb(wire), forward_ms
 

@@ -60,6 +60,9 @@ class ServerLimits:
     # (by each one's measured reply-to-next-step turnaround: server/service.py _gather_steps); a
     # lone session never waits; 0 = take what is queued
     batch_window_ms: float = 5.0
+    # a prompt is prefilled in forwards of at most this many tokens, and the other sessions' verify
+    # steps queued meanwhile are scored between them (chunked prefill); None = one forward
+    prefill_chunk: int | None = 512
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -62,6 +62,32 @@ class FeatureBatch:
     values: dict[int, torch.Tensor] = field(default_factory=dict)
     lsa: torch.Tensor | None = None
 
+    @classmethod
+    def concat(cls, batches: list["FeatureBatch"]) -> "FeatureBatch":
+        """Join the batches of consecutive positions (a chunked prefill's) into one.
+
+        Raises:
+            ValueError: no batch, positions that do not follow on, or batches holding different layers.
+        """
+        if not batches:
+            raise ValueError("FeatureBatch.concat needs at least one batch")
+        if len(batches) == 1:
+            return batches[0]
+        first = batches[0]
+        for before, after in zip(batches, batches[1:]):
+            if after.start != before.start + before.count:
+                raise ValueError(f"feature batches must follow on: positions {before.start}+{before.count}, "
+                                 f"then {after.start}")
+        for b in batches[1:]:
+            if (b.hidden.keys(), b.keys.keys(), b.values.keys(), b.lsa is None) != \
+                    (first.hidden.keys(), first.keys.keys(), first.values.keys(), first.lsa is None):
+                raise ValueError("feature batches to join must hold the same layers")
+        return cls(first.start, sum(b.count for b in batches),
+                   hidden={k: torch.cat([b.hidden[k] for b in batches]) for k in first.hidden},
+                   keys={k: torch.cat([b.keys[k] for b in batches], dim=1) for k in first.keys},
+                   values={k: torch.cat([b.values[k] for b in batches], dim=1) for k in first.values},
+                   lsa=None if first.lsa is None else torch.cat([b.lsa for b in batches]))
+
     def to_pb(self, request: FeatureRequest) -> pb.Features:
         """Encode; unquantized floats travel as fp16. Values that cannot travel are clamped, so an
         overflowing activation still gives decodable features: NaN -> 0; for the fp16 reference,

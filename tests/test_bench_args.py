@@ -436,3 +436,21 @@ def test_readme_lists_every_bench_command():
     rooms_row = next(line for line in readme if line.startswith("| `bench/` |"))
     layout_line = next(line for line in readme if line.startswith("bench/ "))
     assert all(f"`{name}`" in rooms_row and f" {name}" in layout_line for name in sub.choices), (rooms_row, layout_line)
+
+
+@pytest.mark.parametrize("argv", [["--chunks", "512,512"], ["--chunks", "-1"], ["--chunks", "a"], ["--chunks", ","],
+                                  ["--rounds", "0"], ["--prompt-tokens", "0"]])
+def test_prefill_bench_refuses_bad_points_at_parse_time(argv, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["prefill-bench", *argv])
+    assert "error" in capsys.readouterr().err
+
+
+def test_prefill_bench_table_compares_with_one_forward():
+    from splitspec.bench.prefill_bench import PrefillPoint, format_table
+
+    table = format_table([PrefillPoint(0, [4000.0], [40.0, 44.0, 48.0], [4100.0]),
+                          PrefillPoint(512, [4400.0], [40.0, 44.0], [600.0, 1200.0])], 2000)
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")}
+    assert "1.10x" in rows["512"] and "1200" in rows["512"] and "30.0x" in rows["512"]  # 1200 ms against the idle p50 of 40
+    assert "1.00x" in rows["off (one forward)"]

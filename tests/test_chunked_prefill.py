@@ -1,0 +1,227 @@
+"""Chunked prefill (issue 11; server/runner.py `prefill_chunk`, server/service.py `_prefill`): a
+prompt prefilled as several forwards over the growing cache gives the session, the first token and
+the features of one forward (up to fp32 rounding), decodes exactly, lets other sessions' verify
+steps run between its chunks, and stops at the next chunk when its caller goes away."""
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from splitspec.client.loop import SpeculativeDecoder
+from splitspec.client.transport import RemoteVerifier, make_channel
+from splitspec.server.cli import server_limits
+from splitspec.server.local import LocalVerifier
+from splitspec.server.runner import TargetRunner
+from splitspec.shared import kv
+from splitspec.shared.config import ServerLimits
+from splitspec.shared.features import FeatureBatch, FeatureRequest
+from splitspec.shared.models import tokenizer_fingerprint
+from splitspec.shared.sampling import SamplingParams
+from splitspec.v1 import verify_pb2 as pb
+from splitspec.v1 import verify_pb2_grpc as pb_grpc
+
+from .helpers import OracleDrafter, reference_greedy
+from .test_model_families import FAMILIES, VOCAB, _model
+
+FEATURES = FeatureRequest(hidden_layers=(-1, 1), kv_layers=(0, 3))
+PROMPT = [1, 45, 100, 17, 99, 4, 250, 33, 71, 12, 300, 7, 18]  # longer than the families' window of 8
+
+
+def _chunked(runner: TargetRunner, prompt, features, chunk: int):
+    """A prefill of `prompt` with every chunk but the last run, as the service runs it."""
+    prefill = runner.start_prefill(prompt, features)
+    while len(prompt) - prefill.done > chunk:
+        runner.prefill_chunk(prefill, chunk)
+    return prefill
+
+
+@pytest.mark.parametrize("family", ["stories", *FAMILIES])
+def test_chunked_prefill_equals_one_forward_and_decodes_exactly(family, stories):
+    """For every family (sliding windows and mixed layers included, the prompt longer than the
+    window and the chunks shorter than it): the chunked session's cache, first token and features
+    equal the one-forward prefill's to fp32 rounding, and greedy decoding from it, with trees whose
+    accepted paths are not contiguous, equals the target's own `generate()`."""
+    model = stories[0] if family == "stories" else _model(family)
+    runner = TargetRunner(model, stories[1], family)
+    whole, whole_features, _ = runner.open(PROMPT, SamplingParams(), FEATURES)
+    prefill = _chunked(runner, PROMPT, FEATURES, 3)
+    assert prefill.done == 12 and len(prefill.batches) == 4
+    parted, parted_features, _ = runner.open(PROMPT, SamplingParams(), FEATURES, prefill=prefill)
+    assert parted.pending_token == whole.pending_token
+    assert kv.cache_length(parted.cache) == kv.cache_length(whole.cache) == len(PROMPT)
+    for layer in range(runner.num_layers):
+        for a, b in zip(kv.layer_kv(parted.cache, layer, 0, len(PROMPT)), kv.layer_kv(whole.cache, layer, 0, len(PROMPT))):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert (parted_features.start, parted_features.count) == (0, len(PROMPT))
+    for name in ("hidden", "keys", "values"):
+        got, want = getattr(parted_features, name), getattr(whole_features, name)
+        assert got.keys() == want.keys()
+        for layer in want:
+            torch.testing.assert_close(got[layer], want[layer], rtol=1e-4, atol=1e-4)
+
+    ref = reference_greedy(model, PROMPT, 30)
+    real_open = runner.open
+    runner.open = lambda ids, s, f, prefill=None: real_open(ids, s, f, prefill=_chunked(runner, ids, f, 3))
+    drafter = OracleDrafter(PROMPT, ref, VOCAB, right=True, depth=4, wrong_siblings=2)
+    gen = SpeculativeDecoder(LocalVerifier(runner), drafter).generate(PROMPT, len(ref), stop_on_eos=False)
+    assert gen.tokens == ref, f"{family}: chunked prefill changed the greedy answer"
+
+
+def test_prefill_chunk_refuses_a_chunk_with_nothing_to_run(stories):
+    runner = TargetRunner(*stories)
+    prefill = runner.start_prefill([1, 2, 3], FeatureRequest())
+    with pytest.raises(ValueError, match="max_tokens >= 1"):
+        runner.prefill_chunk(prefill, 0)
+    runner.prefill_chunk(prefill, 5)
+    assert prefill.done == 3
+    with pytest.raises(ValueError, match="positions left"):
+        runner.prefill_chunk(prefill, 1)
+
+
+def test_feature_batches_join_only_when_they_follow_on():
+    def batch(start, count, layers=(0,)):
+        return FeatureBatch(start, count, hidden={k: torch.full((count, 4), float(start)) for k in layers},
+                            keys={1: torch.zeros(2, count, 3)}, values={1: torch.ones(2, count, 3)},
+                            lsa=torch.zeros(count, 5))
+
+    joined = FeatureBatch.concat([batch(4, 2), batch(6, 3), batch(9, 1)])
+    assert (joined.start, joined.count) == (4, 6)
+    assert joined.hidden[0][:, 0].tolist() == [4, 4, 6, 6, 6, 9]
+    assert joined.keys[1].shape == (2, 6, 3) and joined.lsa.shape == (6, 5)
+    with pytest.raises(ValueError, match="follow on"):
+        FeatureBatch.concat([batch(0, 2), batch(3, 1)])
+    with pytest.raises(ValueError, match="same layers"):
+        FeatureBatch.concat([batch(0, 2), batch(2, 1, layers=(0, 1))])
+    with pytest.raises(ValueError, match="at least one"):
+        FeatureBatch.concat([])
+
+
+def _open_request(fp: str, prompt, features: FeatureRequest = FeatureRequest()):
+    return pb.OpenSessionRequest(prompt_ids=list(prompt), tokenizer_fingerprint=fp, features=features.to_pb())
+
+
+def test_service_prefills_in_chunks_with_the_same_reply(stories, serve):
+    """The service's chunked prefill gives the first token and features of the one-forward prefill
+    (as they travel: fp16), and split decoding over it is exact."""
+    model, tokenizer, model_id = stories
+    fp = tokenizer_fingerprint(tokenizer)
+    replies = {}
+    for chunk in (None, 4):
+        runner = TargetRunner(model, tokenizer, model_id)
+        calls = []
+        real = runner.prefill_chunk
+        runner.prefill_chunk = lambda p, n, real=real: (calls.append(n), real(p, n))[1]
+        server = serve(runner, ServerLimits(prefill_chunk=chunk))
+        channel = make_channel(server.address)
+        stub = pb_grpc.VerifyServiceStub(channel)
+        replies[chunk] = stub.OpenSession(_open_request(fp, PROMPT, FEATURES), timeout=30)
+        stub.CloseSession(pb.CloseSessionRequest(session_id=replies[chunk].session_id), timeout=30)
+        channel.close()
+        # 13 positions in chunks of 4: three chunk jobs, then the job that runs the last one and opens
+        assert calls == ([len(PROMPT)] if chunk is None else [4, 4, 4, 1]), calls
+        if chunk == 4:
+            ref = reference_greedy(model, PROMPT, 30)
+            drafter = OracleDrafter(PROMPT, ref, VOCAB, right=True, depth=4, wrong_siblings=2)
+            verifier = RemoteVerifier(server.address)
+            gen = SpeculativeDecoder(verifier, drafter).generate(PROMPT, len(ref), stop_on_eos=False)
+            verifier.close()
+            assert gen.tokens == ref
+            assert server.servicer.kv.tokens == 0  # every session closed, every reservation released
+    assert replies[4].first_token == replies[None].first_token
+    got, want = (FeatureBatch.from_pb(replies[c].features, request=FEATURES) for c in (4, None))
+    assert (got.start, got.count) == (want.start, want.count) == (0, len(PROMPT))
+    for name in ("hidden", "keys", "values"):
+        for layer, tensor in getattr(want, name).items():
+            torch.testing.assert_close(getattr(got, name)[layer], tensor, rtol=2e-3, atol=2e-3)
+
+
+class _GatedRunner:
+    """Logs the runner's model calls in order and holds the first prefill chunk at a gate."""
+
+    def __init__(self, runner: TargetRunner) -> None:
+        self.log: list[str] = []
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        chunk, verify, batch = runner.prefill_chunk, runner.verify, runner.verify_batch
+
+        def gated_chunk(prefill, n):
+            self.log.append("chunk")
+            if not self.entered.is_set():
+                self.entered.set()
+                assert self.gate.wait(30), "the test never opened the gate"
+            return chunk(prefill, n)
+
+        def logged_verify(*args, **kwargs):
+            self.log.append("verify")
+            return verify(*args, **kwargs)
+
+        def logged_batch(items):
+            self.log.extend(["verify"] * len(items))
+            return batch(items)
+
+        runner.prefill_chunk, runner.verify, runner.verify_batch = gated_chunk, logged_verify, logged_batch
+
+
+def test_other_sessions_steps_run_between_the_chunks_of_a_long_prefill(stories, serve):
+    """A step of a decoding session that arrives during a long prefill is scored after the chunk
+    running then, not after the whole prompt."""
+    model, tokenizer, model_id = stories
+    fp = tokenizer_fingerprint(tokenizer)
+    runner = TargetRunner(model, tokenizer, model_id)
+    server = serve(runner, ServerLimits(prefill_chunk=2))
+    channel = make_channel(server.address)
+    stub = pb_grpc.VerifyServiceStub(channel)
+    decoding = stub.OpenSession(_open_request(fp, [1, 40, 50]), timeout=30).session_id
+    spy = _GatedRunner(runner)
+    long_open = stub.OpenSession.future(_open_request(fp, PROMPT), timeout=30)
+    assert spy.entered.wait(10)
+    step = stub.Verify.future(pb.VerifyRequest(session_id=decoding, step=1,
+                                               tree=pb.DraftTree(tokens=[5, 6], parents=[-1, 0])), timeout=30)
+    time.sleep(0.3)  # the step is queued behind the running chunk
+    spy.gate.set()
+    assert step.result().step == 1 and long_open.result().session_id
+    # 13 positions in chunks of 2: six chunk jobs, the open job runs the last position
+    assert spy.log.count("chunk") == 7
+    assert spy.log.index("verify") == 1, spy.log  # right after the chunk that held the worker
+    channel.close()
+
+
+def test_a_departed_callers_prefill_stops_at_the_next_chunk(stories, serve):
+    """An OpenSession whose deadline passes during a chunk runs no further chunk, leaves no session,
+    and its KV reservation is released once the running chunk is over."""
+    model, tokenizer, model_id = stories
+    fp = tokenizer_fingerprint(tokenizer)
+    runner = TargetRunner(model, tokenizer, model_id)
+    server = serve(runner, ServerLimits(prefill_chunk=2))
+    spy = _GatedRunner(runner)
+    channel = make_channel(server.address)
+    stub = pb_grpc.VerifyServiceStub(channel)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.OpenSession(_open_request(fp, PROMPT), timeout=0.5)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert server.servicer.kv.tokens == len(PROMPT)  # the chunk still runs: its reservation holds
+    spy.gate.set()
+    deadline = time.monotonic() + 10
+    while server.servicer.kv.tokens and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.servicer.kv.tokens == 0
+    time.sleep(0.3)
+    assert spy.log == ["chunk"], spy.log
+    assert not server.servicer.sessions
+    assert stub.OpenSession(_open_request(fp, [1, 40, 50]), timeout=30).session_id  # still serving
+    channel.close()
+
+
+def test_serve_prefill_chunk_flag(stories):
+    from splitspec.cli.main import build_parser
+
+    parse = build_parser().parse_args
+    assert server_limits(parse(["serve"])).prefill_chunk == ServerLimits().prefill_chunk == 512
+    assert server_limits(parse(["serve", "--prefill-chunk", "0"])).prefill_chunk is None
+    assert server_limits(parse(["serve", "--prefill-chunk", "64"])).prefill_chunk == 64
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        server_limits(parse(["serve", "--prefill-chunk", "-1"]))
