@@ -139,8 +139,8 @@ class CutLink:
     def link_up(self) -> bool:
         return self.answer_tokens < self.cut_after
 
-    def open(self, prompt_ids, sampling, features):
-        session, opened = self.inner.open(prompt_ids, sampling, features)
+    def open(self, prompt_ids, sampling, features, **kwargs):
+        session, opened = self.inner.open(prompt_ids, sampling, features, **kwargs)
         self.answer_tokens, self.cut_at = 1, None
         return _CutSession(self, session), opened
 

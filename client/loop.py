@@ -30,7 +30,7 @@ from splitspec.shared.config import TreeConfig
 from splitspec.shared.records import AnswerRecord
 from splitspec.shared.sampling import SamplingParams
 from splitspec.shared.tree import DraftTree
-from splitspec.shared.verifier import CallStats, LinkDown, SessionLost, StepResult, Verifier
+from splitspec.shared.verifier import CallStats, LinkDown, OpenCancelled, SessionLost, StepResult, Verifier
 
 from .answer import Answer, EventCallback, EventKind, Provenance, StreamEvent
 from .drafters import DraftLimits, Drafter, Proposal
@@ -173,9 +173,10 @@ class SpeculativeDecoder:
         `privacy` marks private prompt tokens (client/privacy.py); the server then sees placeholders.
         `should_stop`: polled as the answer grows; True ends it early, as EOS would (a stop string
         seen, a listener gone; offline text is still verified first, and a retraction may make it
-        false again). `cancelled`: polled before every step and while waiting for the link; True
-        (the listener went away) ends the answer at once, as it stands: no verification of offline
-        text, no wait for the link, and no CloseSession over a link that is down.
+        false again). `cancelled`: polled before every step, while waiting for the link and while a
+        session's prefill runs (`Verifier.open`: between chunks in-process, over gRPC by cancelling
+        the call); True (the listener went away) ends the answer at once, as it stands: no
+        verification of offline text, no wait for the link, and no CloseSession over a link that is down.
         The answer stops where the target's context (`ServerInfo.max_context`) is full, with
         `context_full` set, and no step sends more positions than the context has room for.
         Returns:
@@ -218,6 +219,7 @@ class _Run:
         eos = set(self.verifier.info.eos_token_ids) if stop_on_eos else set()
         self.answer = Answer(prompt, budget, eos, self.privacy, self._emit, should_stop)
         self.cancelled = cancelled or (lambda: False)
+        self._open_cancelled = cancelled  # handed to opens: a long prefill stops when it returns True
         self.stats = GenerationStats()
         self.session = None
         self.server = ServerView(0, -1)
@@ -241,6 +243,8 @@ class _Run:
             self._open_first()
             while self._turn():
                 pass
+        except OpenCancelled:  # cancelled during a prefill: the answer ends as it stands
+            pass
         finally:
             self.link.stop()
             if self.session is not None and self.online:  # over a dead link the call would only wait out
@@ -307,7 +311,11 @@ class _Run:
     def _open(self, upto: int) -> None:
         """A session holding the redacted context [0, upto); the target's next token lands at `upto`."""
         prompt = [self.answer.view(p) for p in range(upto)]
-        session, opened = self.verifier.open(prompt, self.sampling, self.drafter.feature_request)
+        if self._open_cancelled is None:
+            session, opened = self.verifier.open(prompt, self.sampling, self.drafter.feature_request)
+        else:
+            session, opened = self.verifier.open(prompt, self.sampling, self.drafter.feature_request,
+                                                 cancelled=self._open_cancelled)
         self.session, self.server = session, ServerView(upto, opened.first_token)
         self.stats.calls.append(opened.stats)
         self.stats.target_calls += 1

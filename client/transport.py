@@ -28,8 +28,8 @@ from splitspec.shared.features import FeatureBatch, FeatureRequest
 from splitspec.v1 import verify_pb2 as pb
 from splitspec.v1 import verify_pb2_grpc as pb_grpc
 
-from splitspec.shared.verifier import (BadReply, CallStats, LinkDown, OpenResult, ServerInfo, SessionLost, StepResult,
-                                       Verifier, VerifierSession)
+from splitspec.shared.verifier import (CANCEL_POLL_S, BadReply, CallStats, LinkDown, OpenCancelled, OpenResult,
+                                       ServerInfo, SessionLost, StepResult, Verifier, VerifierSession)
 
 log = logging.getLogger(__name__)
 
@@ -210,11 +210,11 @@ class RemoteVerifier(Verifier):
             return err.details()
         return None
 
-    def open(self, prompt_ids, sampling, features):
+    def open(self, prompt_ids, sampling, features, cancelled=None):
         request = pb.OpenSessionRequest(prompt_ids=prompt_ids, sampling=sampling.to_pb(pb.SamplingParams),
                                         features=features.to_pb(),
                                         tokenizer_fingerprint=self.info.tokenizer_fingerprint)
-        reply, stats = self._open_when_admitted(request)
+        reply, stats = self._open_when_admitted(request, cancelled)
         session = _RemoteSession(self, reply.session_id, features)
         try:
             batch = _features(reply, "OpenSession", features, self.info.hidden_size)
@@ -223,18 +223,20 @@ class RemoteVerifier(Verifier):
             raise
         return session, OpenResult(reply.first_token, batch, stats)
 
-    def _open_when_admitted(self, request: pb.OpenSessionRequest):
+    def _open_when_admitted(self, request: pb.OpenSessionRequest, cancelled=None):
         """OpenSession, retried while the server refuses it for now (see `busy_wait_s`), with
-        exponential backoff and jitter, never sooner than the server's hint.
+        exponential backoff and jitter, never sooner than the server's hint. `cancelled`: as
+        `Verifier.open`'s.
 
         Raises:
             grpc.RpcError: any other refusal, or the last busy refusal once `busy_wait_s` is spent.
+            OpenCancelled: `cancelled` returned True while the call ran.
         """
         give_up = time.monotonic() + self.busy_wait_s
         attempt = 0
         while True:
             try:
-                return _call(self.stub.OpenSession, request, self.timeout_s)
+                return _call(self.stub.OpenSession, request, self.timeout_s, cancelled)
             except grpc.RpcError as err:
                 hint = retry_hint_s(err)
                 left = give_up - time.monotonic()
@@ -348,12 +350,25 @@ def retry_hint_s(err: grpc.RpcError) -> float | None:
         return None
 
 
-def _call(method, request, timeout_s: float):
+def _call(method, request, timeout_s: float, cancelled=None):
     """One unary call. Raises LinkDown (unreachable / deadline missed), SessionLost (NOT_FOUND) or
-    the grpc.RpcError of any other refusal."""
+    the grpc.RpcError of any other refusal; OpenCancelled when `cancelled` (polled every
+    CANCEL_POLL_S while the call runs) returned True: the call is cancelled (the service drops its
+    queued work and stops a chunked prefill at the next chunk)."""
     start = time.perf_counter()
     try:
-        reply = method(request, timeout=timeout_s)
+        if cancelled is None:
+            reply = method(request, timeout=timeout_s)
+        else:
+            call = method.future(request, timeout=timeout_s)
+            while True:
+                try:
+                    reply = call.result(timeout=CANCEL_POLL_S)
+                    break
+                except grpc.FutureTimeoutError:
+                    if cancelled():
+                        call.cancel()
+                        raise OpenCancelled("the open was cancelled while the server prefilled") from None
     except grpc.RpcError as err:
         if err.code() in _LINK_DOWN:
             raise LinkDown(f"verify service: {err.code().name}: {err.details()}") from err

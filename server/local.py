@@ -8,9 +8,13 @@ from __future__ import annotations
 import time
 
 from splitspec.shared.models import eos_token_ids, load_model, tokenizer_fingerprint
-from splitspec.shared.verifier import CallStats, OpenResult, ServerInfo, StepResult, Verifier, VerifierSession
+from splitspec.shared.verifier import (CallStats, OpenCancelled, OpenResult, ServerInfo, StepResult, Verifier,
+                                      VerifierSession)
 
 from .runner import TargetRunner
+
+# prompt tokens per forward of a cancellable open (the service's default `--prefill-chunk`)
+PREFILL_CHUNK = 512
 
 
 class LocalVerifier(Verifier):
@@ -26,12 +30,23 @@ class LocalVerifier(Verifier):
             max_draft_support=1 << 30, eos_token_ids=tuple(eos_token_ids(runner.model, runner.tokenizer)),
             lsa_ids=tuple(runner.lsa_modules))
 
-    def open(self, prompt_ids, sampling, features):
+    def open(self, prompt_ids, sampling, features, cancelled=None):
+        """`Verifier.open`; with `cancelled`, a prompt longer than PREFILL_CHUNK tokens is prefilled
+        in chunks of that many (server/runner.py `prefill_chunk`), `cancelled` asked before each."""
         if features.lsa_id and features.lsa_id not in self.runner.lsa_modules:
             raise ValueError("LSA placement 'server' needs a target runner hosting that drafter's LSA; "
                              "in single-device mode use --lsa-placement client")
         start = time.perf_counter()
-        session, batch, forward_ms = self.runner.open(list(prompt_ids), sampling, features)
+        prefill = None
+        if cancelled is not None:
+            prefill = self.runner.start_prefill(list(prompt_ids), features)
+            while True:
+                if cancelled():
+                    raise OpenCancelled("the open was cancelled during its prefill")
+                if len(prompt_ids) - prefill.done <= PREFILL_CHUNK:
+                    break
+                self.runner.prefill_chunk(prefill, PREFILL_CHUNK)
+        session, batch, forward_ms = self.runner.open(list(prompt_ids), sampling, features, prefill=prefill)
         elapsed = (time.perf_counter() - start) * 1e3
         handle = _LocalSession(self.runner, session)
         return handle, OpenResult(session.pending_token, batch, CallStats(elapsed, elapsed, forward_ms))

@@ -9,6 +9,7 @@ The interface lives here, in shared/, so that the client imports no server code.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from splitspec.shared.acceptance import SparseProbs
@@ -70,6 +71,13 @@ class StepResult:
         return (*self.accepted_tokens, self.bonus_token)
 
 
+CANCEL_POLL_S = 0.05  # how often a remote open asks its `cancelled` while the server prefills
+
+
+class OpenCancelled(Exception):
+    """An open whose caller cancelled it (`Verifier.open`'s `cancelled`) before its prefill ended."""
+
+
 class LinkDown(ConnectionError):
     """The verify service could not be reached or a call missed its deadline. The request may or may
     not have run on the server; `VerifierSession.resume` finds out."""
@@ -121,12 +129,15 @@ class Verifier(ABC):
     target_model = None
 
     @abstractmethod
-    def open(self, prompt_ids: list[int], sampling: SamplingParams, features: FeatureRequest
-             ) -> tuple[VerifierSession, OpenResult]:
+    def open(self, prompt_ids: list[int], sampling: SamplingParams, features: FeatureRequest,
+             cancelled: Callable[[], bool] | None = None) -> tuple[VerifierSession, OpenResult]:
         """Prefill `prompt_ids` [P]: the session, the first token, the features of positions [0, P)
-        and the call's timings.
+        and the call's timings. `cancelled`, when given, is polled while the prefill runs (between
+        its chunks in-process; every `CANCEL_POLL_S` over gRPC, where the call is then cancelled
+        and the service stops the prefill at its next chunk); True ends the open.
 
         Raises:
+            OpenCancelled: `cancelled` returned True before the prefill was over (no session left).
             ValueError: (in-process) LSA placed on a server that does not host it.
             LinkDown, grpc.RpcError: (remote) unreachable, or refused (a full server only once
                 `busy_wait_s` has run out).

@@ -99,8 +99,8 @@ class FlakyVerifier(LocalVerifier):
         self.probes_left = 0
         self.replays = 0
 
-    def open(self, prompt_ids, sampling, features):
-        session, opened = super().open(prompt_ids, sampling, features)
+    def open(self, prompt_ids, sampling, features, **kwargs):
+        session, opened = super().open(prompt_ids, sampling, features, **kwargs)
         return _FlakySession(self, session), opened
 
     def probe(self, timeout_s: float = 1.0) -> bool:

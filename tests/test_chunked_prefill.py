@@ -225,3 +225,68 @@ def test_serve_prefill_chunk_flag(stories):
     assert server_limits(parse(["serve", "--prefill-chunk", "64"])).prefill_chunk == 64
     with pytest.raises(ValueError, match="prefill_chunk"):
         server_limits(parse(["serve", "--prefill-chunk", "-1"]))
+
+
+def test_a_cancelled_local_open_stops_between_chunks(stories, monkeypatch):
+    """Single-device: with `cancelled`, a long prompt is prefilled in chunks and the open ends with
+    OpenCancelled at the first chunk boundary after `cancelled` turns True; without it, one forward."""
+    from splitspec.server import local
+    from splitspec.shared.verifier import OpenCancelled
+
+    monkeypatch.setattr(local, "PREFILL_CHUNK", 4)
+    runner = TargetRunner(*stories)
+    chunks: list[int] = []
+    real = runner.prefill_chunk
+    runner.prefill_chunk = lambda p, n: (chunks.append(n), real(p, n))[1]
+    verifier = LocalVerifier(runner)
+    with pytest.raises(OpenCancelled):
+        verifier.open(PROMPT, SamplingParams(), FeatureRequest(), cancelled=lambda: len(chunks) >= 2)
+    assert chunks == [4, 4]
+    chunks.clear()
+    session, opened = verifier.open(PROMPT, SamplingParams(), FeatureRequest(), cancelled=lambda: False)
+    assert chunks == [4, 4, 4, 1]
+    whole, first_whole = verifier.open(PROMPT, SamplingParams(), FeatureRequest())
+    assert chunks == [4, 4, 4, 1, len(PROMPT)] and opened.first_token == first_whole.first_token
+
+
+def test_a_cancelled_remote_open_cancels_the_call_and_the_servers_prefill(stories, serve):
+    """Split: `cancelled` turning True while the server prefills ends the open at once (the server
+    is still inside a chunk), the server runs no further chunk and keeps no session."""
+    from splitspec.shared.verifier import OpenCancelled
+
+    model, tokenizer, model_id = stories
+    runner = TargetRunner(model, tokenizer, model_id)
+    server = serve(runner, ServerLimits(prefill_chunk=2))
+    spy = _GatedRunner(runner)
+    verifier = RemoteVerifier(server.address)
+    started = time.monotonic()
+    with pytest.raises(OpenCancelled):
+        verifier.open(PROMPT, SamplingParams(), FeatureRequest(), cancelled=spy.entered.is_set)
+    assert time.monotonic() - started < 10 and not spy.gate.is_set()
+    spy.gate.set()
+    deadline = time.monotonic() + 10
+    while server.servicer.kv.tokens and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.3)
+    assert spy.log == ["chunk"] and not server.servicer.sessions and server.servicer.kv.tokens == 0
+    verifier.close()
+
+
+def test_an_answer_cancelled_during_its_prefill_ends_empty(stories, monkeypatch):
+    """The loop hands `cancelled` to the open: an answer cancelled while its prompt is prefilled
+    ends at once, with no tokens and no error."""
+    from splitspec.server import local
+
+    monkeypatch.setattr(local, "PREFILL_CHUNK", 4)
+    model = stories[0]
+    runner = TargetRunner(*stories)
+    chunks: list[int] = []
+    real = runner.prefill_chunk
+    runner.prefill_chunk = lambda p, n: (chunks.append(n), real(p, n))[1]
+    ref = reference_greedy(model, PROMPT, 8)
+    drafter = OracleDrafter(PROMPT, ref, VOCAB, right=True, depth=2)
+    decoder = SpeculativeDecoder(LocalVerifier(runner), drafter)
+    gen = decoder.generate(PROMPT, 8, stop_on_eos=False, cancelled=lambda: bool(chunks))
+    assert gen.tokens == [] and chunks == [4]
+    gen = decoder.generate(PROMPT, 8, stop_on_eos=False, cancelled=lambda: False)
+    assert gen.tokens == ref

@@ -83,12 +83,12 @@ def test_a_server_down_at_the_first_open_is_waited_for(setup):
     class DownAtFirst(FlakyVerifier):
         opens = 0
 
-        def open(self, prompt_ids, sampling, features):
+        def open(self, prompt_ids, sampling, features, **kwargs):
             self.opens += 1
             if self.opens == 1:
                 self.probes_left = 3
                 raise LinkDown("connection refused")
-            return super().open(prompt_ids, sampling, features)
+            return super().open(prompt_ids, sampling, features, **kwargs)
 
     policy = OfflinePolicy(backoff_initial_s=0.01, backoff_max_s=0.05)
     verifier = DownAtFirst(runner, {})
@@ -184,8 +184,8 @@ def test_a_cancelled_answer_ends_at_once_while_the_link_is_down(setup, stopped):
     verifier = FlakyVerifier(runner, {3: "before"}, gate=lambda: False)
     opened = verifier.open
 
-    def open_spied(*args):
-        session, reply = opened(*args)
+    def open_spied(*args, **kwargs):
+        session, reply = opened(*args, **kwargs)
         session.close = lambda: closed.append(True)
         return session, reply
 

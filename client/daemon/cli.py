@@ -88,9 +88,10 @@ def cmd_up(args, local_verifier=None) -> None:
 
 def _exit_unless_idle(engine, status: int, grace_s: float = EXIT_GRACE_S) -> None:
     """Ends the process now (status `status`) when the running answer has not ended within
-    `grace_s` seconds of the server's stop: one model step (a long prompt's prefill in
-    single-device mode, ~35 s for 8K tokens on two cores) cannot be interrupted, and the
-    interpreter would otherwise wait for its thread at exit. Nothing is lost: the chat history
+    `grace_s` seconds of the server's stop: one model step cannot be interrupted (a prompt's
+    prefill stops at the next chunk of 512 tokens, server/local.py `PREFILL_CHUNK`: ~1-3 s on two
+    cores; in one forward an 8K-token prompt was ~35 s), and the interpreter would otherwise wait
+    for its thread at exit. Nothing is lost: the chat history
     commits each token as it is written."""
     if engine.wait_idle(grace_s):
         return

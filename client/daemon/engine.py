@@ -216,7 +216,8 @@ class Engine:
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Whether no answer is running, waiting up to `timeout_s` seconds for the running one to
-        end. One step (a long prompt's prefill: tens of seconds on a CPU) cannot be interrupted."""
+        end. One model step cannot be interrupted: a verify step, or one chunk of a prompt's prefill
+        (a cancelled answer's prefill stops at the next chunk: `Verifier.open`'s `cancelled`)."""
         with self._idle:
             return self._idle.wait_for(lambda: self.running == 0, timeout_s)
 
