@@ -290,3 +290,17 @@ def test_an_answer_cancelled_during_its_prefill_ends_empty(stories, monkeypatch)
     assert gen.tokens == [] and chunks == [4]
     gen = decoder.generate(PROMPT, 8, stop_on_eos=False, cancelled=lambda: False)
     assert gen.tokens == ref
+
+
+@pytest.mark.parametrize("family", ["llama-mqa-tied", "gemma3"])
+def test_fixed_shape_steps_after_a_chunked_prefill_stay_exact(family, stories):
+    """`--cuda-graphs` steps (eager fixed-shape on a CPU, server/graphs.py) over a cache filled by a
+    chunked prefill decode exactly as the target's own `generate()`."""
+    model = _model(family)
+    ref = reference_greedy(model, PROMPT, 24)
+    runner = TargetRunner(model, stories[1], family, use_graphs=True)
+    real_open = runner.open
+    runner.open = lambda ids, s, f, prefill=None: real_open(ids, s, f, prefill=_chunked(runner, ids, f, 5))
+    drafter = OracleDrafter(PROMPT, ref, VOCAB, right=True, depth=4, wrong_siblings=1)
+    gen = SpeculativeDecoder(LocalVerifier(runner), drafter).generate(PROMPT, len(ref), stop_on_eos=False)
+    assert runner.static.runs > 0 and gen.tokens == ref
