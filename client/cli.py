@@ -162,7 +162,8 @@ def client_config(args):
 def _encode(setup, args, messages: list[dict[str, str]]):
     """Prompt ids and, when the messages hold <private> spans, the PrivacyGuard for them."""
     ids, mask = encode_private_chat(setup.tokenizer, messages)
-    guard = PrivacyGuard(tuple(ids), tuple(mask), placeholder_token(setup.tokenizer), args.private_ngram)
+    guard = PrivacyGuard(tuple(ids), tuple(mask), placeholder_token(setup.tokenizer), args.private_ngram,
+                         decode=setup.tokenizer.decode)
     return ids, (guard if guard.active else None)
 
 

@@ -339,8 +339,8 @@ def test_private_text_written_offline_is_private_from_its_first_token(stories, o
                              gate=lambda: len(log.tokens) >= 2 * len(secret))
     real_open = verifier.open
 
-    def open_(*args):
-        session, opened = real_open(*args)
+    def open_(*args, **kwargs):
+        session, opened = real_open(*args, **kwargs)
         real_verify = session.verify
 
         def verify(tree, draft_probs, forced_tokens=()):
@@ -492,3 +492,284 @@ def test_private_text_in_an_api_answer_stays_private_when_sent_back(stories, ser
     finally:
         daemon.stop()
         verifier.close()
+
+
+# --- the text rule (qa-privacy F2): private words in another tokenization --------------------------
+
+_VOCAB = {0: "<s>", 1: " My", 2: " pass", 3: " is", 4: " hunter", 5: "2", 6: " Hunter", 7: "hun", 8: "ter",
+          9: " the", 10: " Z", 11: "orb", 12: "lax", 13: " ZOR", 14: "BL", 15: "AX", 16: ".", 17: " cat",
+          18: "\n", 19: " a", 20: " fun", 30: "東京", 31: "タワー", 32: "私は東", 33: "京タワ", 34: "ー", 35: ". T",
+          36: "HE", 99: " _"}
+
+
+def _toy_decode(ids) -> str:
+    return "".join(_VOCAB[i] for i in ids)
+
+
+def _toy_guards(ngram: int = 2) -> tuple[list[int], PrivacyGuard, PrivacyGuard]:
+    """(prompt "<s> My pass is[ hunter2]. the cat is[ Zorblax].\\n", the id rule alone, id + text rule)."""
+    prompt = [0, 1, 2, 3, 4, 5, 16, 9, 17, 3, 10, 11, 12, 16, 18]
+    mask = [i in (4, 5, 10, 11, 12) for i in range(len(prompt))]
+    return (prompt, PrivacyGuard(tuple(prompt), tuple(mask), placeholder=99, ngram=ngram),
+            PrivacyGuard(tuple(prompt), tuple(mask), placeholder=99, ngram=ngram, decode=_toy_decode))
+
+
+def test_text_rule_catches_private_words_in_other_tokens():
+    """The id rule misses " Hunter"+"2" for a private " hunter"+"2", and " ZOR"+"BL" for " Z"+"orb"+"lax";
+    the text rule (the tokenizer's decode given) prunes the token completing the private phrase and
+    withholds rows naming it, but writes no best path locally for it (`private_run` follows the id
+    rule alone: what it writes is unverified); what a public context already says does not block
+    what follows it."""
+    prompt, ids_only, guard = _toy_guards()
+    context = prompt + [19]  # the answer so far: " a"; the private span itself is in the context's tail
+    # " Hunter2", "\nhunter2", " ZORBLAX" ("zorb", then "zorblax"): which tokens complete a private phrase
+    variants = {(6, 5): [False, True], (18, 7, 8, 5): [False, False, False, True], (13, 14, 15): [False, True, True]}
+    for path, hits in variants.items():
+        proposal = Proposal(DraftTree.chain(path))
+        assert ids_only.prune(context, proposal) is proposal  # the gap: other ids, the same words
+        assert not any(ids_only.completes(context + list(path[:i + 1])) for i in range(len(path)))
+        assert guard.prune(context, proposal).tree.tokens == path[:hits.index(True)]
+        assert [guard.completes(context + list(path[:i + 1])) for i in range(len(path))] == hits  # offline's test
+    # root -> " Hunter" -> "2" (completes "hunter2") ; root -> " the": the private word's branch is cut
+    pruned = guard.prune(context, Proposal(DraftTree((6, 5, 9), (ROOT, 0, ROOT))))
+    assert pruned.tree.tokens == (6, 9) and pruned.tree.parents == (ROOT, ROOT)
+    # the best path: written locally for the private ids only; a text match is pruned (lossless) instead
+    assert guard.private_run(context, [4, 5, 19]) == 2 == ids_only.private_run(context, [4, 5, 19])
+    # " Hunter2", " ZORBL" ("zorb" by the 2nd token), "\nhunter2"
+    for path in ([6, 5, 19], [13, 14, 19], [18, 7, 8, 5]):
+        assert guard.private_run(context, path) == 0 == ids_only.private_run(context, path)
+        assert guard.prune(context, Proposal(DraftTree.chain(path))).tree.size < len(path)
+    # rows: after " Hunter", a row giving weight to "2" names the private phrase
+    row = _row((5, 0.3), (9, 0.7))
+    assert guard.names_private(context + [6], row) and not ids_only.names_private(context + [6], row)
+    assert not guard.names_private(context + [9], row)  # " the2": no phrase
+    tree = DraftTree((9,), (ROOT,))
+    assert guard.rows_leak(context + [6], tree, {ROOT: row})
+    assert not ids_only.rows_leak(context + [6], tree, {ROOT: row})
+    pruned = guard.prune(context + [13], Proposal(tree, {ROOT: _row((9, 0.5), (14, 0.5))}))  # " ZOR" then "BL"
+    assert pruned.tree.size == 0 and not pruned.draft_probs
+    assert ids_only.prune(context + [13], Proposal(tree, {ROOT: _row((9, 0.5), (14, 0.5))})).tree.size == 1
+    # public text holding the phrase: what follows it is drafted; writing the phrase again is not
+    public = prompt + [1, 6, 5]  # " My Hunter2" committed (the target wrote it)
+    proposal = Proposal(DraftTree.chain([3, 19, 20]), {ROOT: _row((3, 1.0)), 0: _row((19, 1.0))})
+    assert guard.prune(public, proposal) is proposal and guard.private_run(public, [3, 19, 20]) == 0
+    assert guard.prune(public, Proposal(DraftTree.chain([3, 6, 5]))).tree.tokens == (3, 6)
+
+
+def test_text_rule_phrases_and_decode_none():
+    """Phrases are the private n-grams' texts, case-folded and stripped, of 3 letters or digits or more, and
+    for a gram starting inside a word, the text from the word's start through the gram ("orb"+"lax"
+    of " Z"+"orb"+"lax": "zorblax"); without decode the guard is the id rule alone, unchanged."""
+    prompt, ids_only, guard = _toy_guards()
+    assert set(guard._phrases) == {"hunter2", "zorb", "orblax", "zorblax"}
+    short = PrivacyGuard((0, 16, 18, 19), (False, True, True, False), placeholder=99, decode=_toy_decode)
+    assert not short._phrases  # ".\n" -> "." is too short
+    assert short.prune([0, 1], Proposal(DraftTree.chain([16, 18]))).tree.tokens == (16,)  # the id rule still
+    assert PrivacyGuard((0, 9, 16), (False, True, True), placeholder=99, decode=_toy_decode)._phrases == ("the.",)
+    assert not PrivacyGuard((0, 16, 19), (False, True, True), placeholder=99, decode=_toy_decode)._phrases  # ". a"
+    unigram = _toy_guards(ngram=1)[2]
+    assert {"hunter", "orb", "lax"} <= set(unigram._phrases) and "2" not in unigram._phrases
+    assert unigram.prune(prompt, Proposal(DraftTree.chain([6, 19]))).tree.size == 0  # n = 1: " Hunter" is private text
+    assert unigram.private_run(prompt, [6, 19]) == 0 and unigram.private_run(prompt, [4, 19]) == 1  # ids alone
+    none = PrivacyGuard(ids_only.prompt_ids, ids_only.mask, placeholder=99, decode=None)
+    assert none == ids_only and guard == ids_only  # decode is no part of a guard's identity
+    for path in ((6, 5), (7, 8, 5), (13, 14, 15), (4, 5)):
+        proposal = Proposal(DraftTree.chain(path))
+        assert none.prune(prompt, proposal).tree.tokens == ids_only.prune(prompt, proposal).tree.tokens
+        assert none.private_run(prompt, list(path)) == ids_only.private_run(prompt, list(path))
+    assert guard.prune(prompt, Proposal(DraftTree.chain([6, 5]))).tree.size == 1
+
+
+def _tokenizer(name: str, stories):
+    if name == "stories":
+        return stories[1]
+    from splitspec.shared.models import load_tokenizer
+
+    try:
+        return load_tokenizer("smollm2-135m")
+    except Exception as err:  # noqa: BLE001  the default target not pulled on this machine
+        pytest.skip(f"smollm2-135m not available: {err}")
+
+
+# variants of a private " hunter2" / " Zorblax" the id rule misses in each tokenizer (other ids)
+_VARIANTS = {"stories": [" HUNTER2", "ZORBLAX", " ZOR"],
+             "smollm2": [" Hunter2", "hunter2", " HUNTER2", " ZOR", "ZORBLAX", " Zorb"]}
+_SECRET_CHAT = [{"role": "user", "content": "My password is <private>hunter2</private> and my cat is "
+                                            "<private>Zorblax</private>."}]
+
+
+@pytest.mark.parametrize("name", ["stories", "smollm2"])
+def test_text_rule_with_real_tokenizers(name, stories):
+    """qa-privacy F2 with real tokenizers: capitalised, upper-case, space-less spellings of a private
+    "hunter2" or "Zorblax" are other token ids; the text rule prunes the token completing the private
+    word (its text never reaches the server), withholds a row naming it, and leaves public text alone."""
+    tokenizer = _tokenizer(name, stories)
+
+    def enc(text):
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    ids, mask = encode_private_chat(tokenizer, _SECRET_CHAT)
+    ids_only = PrivacyGuard(tuple(ids), tuple(mask), placeholder_token(tokenizer))
+    guard = PrivacyGuard(tuple(ids), tuple(mask), placeholder_token(tokenizer), decode=tokenizer.decode)
+    context = ids + enc("Sure, it is:\n")  # a word starts after it (the space-less variants too)
+    other = enc(" the")[-1]
+    for variant in _VARIANTS[name]:
+        path = enc(variant)
+        secret = "hunter2" if "hunter" in variant.lower() else "zor"
+        assert secret in tokenizer.decode(path).casefold()
+        proposal = Proposal(DraftTree((*path, other), (ROOT, *range(len(path) - 1), ROOT)))  # the word | " the"
+        assert ids_only.prune(context, proposal) is proposal, variant  # the gap the text rule closes
+        pruned = guard.prune(context, proposal)
+        kept = [t for t, p in zip(pruned.tree.tokens, pruned.tree.parents) if t != other or p != ROOT]
+        assert kept == path[:len(kept)] and len(kept) < len(path), variant
+        assert secret not in tokenizer.decode(kept).casefold(), variant
+        assert other in pruned.tree.tokens  # the public branch stays
+        row = _row((path[len(kept)], 0.5), (other, 0.5))  # the next token of the word, at p 0.5
+        assert guard.names_private(context + kept, row), variant
+        assert not ids_only.names_private(context + kept, row)
+        assert guard.completes(context + path[:len(kept) + 1]) and not ids_only.completes(context + path)
+    # the same words in public text (the answer so far): what follows them is drafted as usual
+    public = context + enc(" like the game Hunter2 or Zorblax")
+    after = enc(" and I like it")
+    proposal = Proposal(DraftTree.chain(after))
+    assert guard.prune(public, proposal) is proposal and guard.private_run(public, after) == 0
+
+
+def test_text_rule_counts_phrases_at_word_starts_only(stories):
+    """An occurrence of a private phrase counts where it starts a word: after a character that is no
+    letter or digit, at the text's start, or when the phrase itself starts with no letter or digit.
+    Inside a public word it does not ("baker," holds "aker," of a private "Whitaker,"; "ishunter2"
+    holds "hunter2"), so public answers lose no drafted nodes and no offline text to it."""
+    prompt, ids_only, guard = _toy_guards()
+    assert guard.completes([18, 7, 8, 5]) and guard.completes([7, 8, 5])  # "\nhunter2"; the text's start
+    assert guard.completes([19, 16, 6, 5])  # " a. Hunter2"
+    mid = prompt + [3, 7, 8, 5]  # " is"+"hun"+"ter"+"2": "ishunter2"
+    assert not any(guard.completes(mid[:len(prompt) + i]) for i in range(1, 5))
+    proposal = Proposal(DraftTree.chain([7, 8, 5]), {ROOT: _row((7, 1.0)), 0: _row((8, 1.0)), 1: _row((5, 1.0))})
+    assert guard.prune(prompt + [3], proposal) is proposal
+    assert guard.prune(prompt + [18], proposal).tree.tokens == (7, 8)  # after "\n" it is a word
+    # a phrase starting with punctuation counts after a letter: ". the" of a private ". the"
+    dot = PrivacyGuard((0, 16, 9, 17), (False, True, True, False), placeholder=99, decode=_toy_decode)
+    assert dot._phrases == (". the",) and dot.completes([0, 17, 35, 36])  # " cat. THE"
+    assert not dot.completes([0, 17, 35]) and not PrivacyGuard(dot.prompt_ids, dot.mask, 99).completes([0, 17, 35, 36])
+    # scripts without spaces: any character may start a word ("私は東京タワー" holds a private "東京タワー")
+    cjk = PrivacyGuard((0, 30, 31, 16), (False, True, True, False), placeholder=99, decode=_toy_decode)
+    assert cjk._phrases == ("東京タワー",)
+    assert [cjk.completes([0, 32, 33, 34][:i + 1]) for i in range(4)] == [False, False, False, True]
+    # SmolLM2: " Whit"+"aker"+"," makes the phrase "aker,", which " Baker," holds inside its word
+    tokenizer = _tokenizer("smollm2", stories)
+
+    def enc(text):
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    ids, mask = encode_private_chat(tokenizer, [{"role": "user", "content": (
+        "I am <private>John Whitaker, 42 Maple Street</private>.")}])
+    guard = PrivacyGuard(tuple(ids), tuple(mask), placeholder_token(tokenizer), decode=tokenizer.decode)
+    assert "aker," in guard._phrases
+    context = ids + enc("Sure! The recipe:\n")
+    public = enc(" Ask the baker, then the maker, please")
+    assert not any(guard.completes(context + public[:i + 1]) for i in range(len(public)))
+    assert guard.prune(context, Proposal(DraftTree.chain(public))).tree.tokens == tuple(public)
+    for variant in (" WHITAKER,", " Mr Whitaker, of", " john whitaker"):
+        path = enc(variant)
+        assert any(guard.completes(context + path[:i + 1]) for i in range(len(path))), variant
+        assert guard.prune(context, Proposal(DraftTree.chain(path))).tree.size < len(path), variant
+
+
+def test_cli_and_daemon_guards_use_the_tokenizers_text(stories):
+    """`splitspec chat`/`generate` and the daemon build their guards with the tokenizer's decode."""
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from splitspec.client.cli import _encode
+    from splitspec.client.daemon.engine import Engine, EngineConfig
+    from splitspec.client.daemon.schema import Completion
+
+    tokenizer = stories[1]
+    variant = tokenizer.encode(" HUNTER2", add_special_tokens=False)  # ids no private n-gram holds
+    setup = SimpleNamespace(tokenizer=tokenizer, decoder=SimpleNamespace(
+        verifier=SimpleNamespace(info=SimpleNamespace(max_context=512))))
+    ids, cli_guard = _encode(setup, SimpleNamespace(private_ngram=2), _SECRET_CHAT)
+    worker = ThreadPoolExecutor(1)
+    try:
+        engine = Engine(setup, EngineConfig(("m",)), worker=worker)
+        completion = Completion(model="m", messages=_SECRET_CHAT, stream=False, include_usage=False,
+                                temperature=None, top_p=None, max_tokens=None, stop=(), seed=None)
+        daemon_ids, daemon_guard, _ = engine.prepare(completion)
+    finally:
+        worker.shutdown()
+    assert daemon_ids == ids
+    for guard in (cli_guard, daemon_guard):
+        pruned = guard.prune(ids, Proposal(DraftTree.chain(variant)))
+        assert pruned.tree.size < len(variant) and "hunter2" not in tokenizer.decode(pruned.tree.tokens).casefold()
+
+
+@pytest.mark.parametrize("name", ["stories", "smollm2"])
+def test_text_rule_row_screen_skips_no_completing_token(name, stories):
+    """Rows are screened by each token's own text before their tokens are decoded in context: over
+    the vocabulary (every 7th token for SmolLM2), a single-token row names private text exactly when
+    its token completes a private phrase (`completes`, which decodes every token in context)."""
+    tokenizer = _tokenizer(name, stories)
+    ids, mask = encode_private_chat(tokenizer, [{"role": "user", "content": (
+        "My password is <private>hunter2</private>, my cat is <private>Zorblax</private>, I live at "
+        "<private>22B Baker Street, Zürich</private>, <private>naïve café</private>.")}])
+    ids_only = PrivacyGuard(tuple(ids), tuple(mask), placeholder_token(tokenizer))
+    guard = PrivacyGuard(tuple(ids), tuple(mask), placeholder_token(tokenizer), decode=tokenizer.decode)
+    tokens = range(0, len(tokenizer), 1 if name == "stories" else 7)
+    found = 0
+    for text in ("Sure, it is HUNTE", "The cat ZO", "at 22b BAKER", "in Zür", "naïve CAF", "Once upon a time"):
+        context = ids + tokenizer.encode(text, add_special_tokens=False)
+        for token in tokens:
+            row = _row((token, 1.0))
+            hit = guard.completes(context + [token])
+            assert guard.names_private(context, row) == hit, (text, token, tokenizer.decode([token]))
+            found += hit and not ids_only.completes(context + [token])
+    assert found >= 5  # tokens only the text rule catches
+
+
+def test_private_word_in_other_tokens_never_reaches_the_server(stories, serve):
+    """End to end: a drafter proposing a private "hunter2" as " HUNTER2" (ids no private n-gram holds)
+    sends no Verify whose tree spells a private phrase of it; the id rule alone sent it whole."""
+    model, tokenizer, model_id = stories
+    ids, mask = encode_private_chat(tokenizer, _SECRET_CHAT)
+    variant = tokenizer.encode(" HUNTER2", add_special_tokens=False)
+    server = serve(TargetRunner(model, tokenizer, model_id))
+    from splitspec.v1 import verify_pb2 as pb
+
+    def trees(guard) -> list[str]:
+        verifier, spy = _spied_verifier(server.address)
+        SpeculativeDecoder(verifier, LeakyDrafter(variant, other=ids[-1])).generate(
+            ids, 16, stop_on_eos=False, privacy=guard)
+        verifier.close()
+        return [tokenizer.decode(list(pb.VerifyRequest.FromString(raw).tree.tokens)).casefold()
+                for method, raw in spy.sent if method.endswith("Verify")]
+
+    ids_only = trees(PrivacyGuard(tuple(ids), tuple(mask), placeholder_token(tokenizer)))
+    assert any("hunter2" in text for text in ids_only)  # the gap
+    sent = trees(PrivacyGuard(tuple(ids), tuple(mask), placeholder_token(tokenizer), decode=tokenizer.decode))
+    assert sent and not any("unt" in text or "hunter2" in text for text in sent)
+
+
+@pytest.mark.parametrize("name", ["stories", "smollm2"])
+def test_a_private_numbers_digit_grams_do_not_make_public_numbers_local(name, stories):
+    """A private number's n-grams of single digits (" ", "1") match public numbers: with the
+    tokenizer's text the best path's short run is pruned (lossless) instead of written locally
+    unverified; the private number itself is still written locally."""
+    from splitspec.client.drafters.base import Proposal
+
+    tokenizer = _tokenizer(name, stories)
+    ids, mask = encode_private_chat(tokenizer, [{"role": "user", "content":
+                                                 "My account is <private>12345678</private>. How do I log in?"}])
+    placeholder = placeholder_token(tokenizer)
+    with_text = PrivacyGuard(tuple(ids), tuple(mask), placeholder, decode=tokenizer.decode)
+    ids_only = PrivacyGuard(tuple(ids), tuple(mask), placeholder)
+    secret = [t for t, private in zip(ids, mask) if private]
+    assert tokenizer.decode(secret).strip() == "12345678" and len(secret) >= 8  # one digit a token
+    context = ids + tokenizer("Sure. Buy", add_special_tokens=False)["input_ids"]
+    apples = tokenizer(" apples", add_special_tokens=False)["input_ids"]
+    public = secret[:2] + apples  # "12 apples": its "1" "2" is a private gram
+    assert ids_only.private_run(context, public) == 2  # the id rule alone wrote "12" unverified
+    assert with_text.private_run(context, public) == 0
+    pruned = with_text.prune(context, Proposal(DraftTree.chain(public)))
+    assert pruned.tree.size == 1  # the private gram's node and what hangs below it are cut: lossless
+    assert with_text.private_run(context, secret + apples) == ids_only.private_run(context, secret + apples) == len(secret)

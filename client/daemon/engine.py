@@ -156,7 +156,8 @@ class Engine:
             raise ApiError(400, f"the target's context holds {self.info.max_context} tokens; the messages take "
                                 f"{len(ids)} and max_tokens asks for {wanted}", param="messages",
                            code="context_length_exceeded")
-        guard = PrivacyGuard(tuple(ids), tuple(mask), placeholder_token(self.tokenizer), self.config.private_ngram)
+        guard = PrivacyGuard(tuple(ids), tuple(mask), placeholder_token(self.tokenizer), self.config.private_ngram,
+                             decode=self.tokenizer.decode)
         return ids, (guard if guard.active else None), min(wanted, room)
 
     def sampling(self, completion: Completion) -> SamplingParams:
