@@ -1,10 +1,11 @@
 """`splitspec serve-bench`: the verify service under 1, 4, 8, 16 concurrent clients, with batched
 verification on and off, side by side in one run (issue 11).
 
-For each --max-batch value a `splitspec serve` child process starts (the same target, the same
-threads); for each client count, that many clients (threads of this process, each with its own
-gRPC channel, session and drafter) generate answers to Spec-Bench prompts for --seconds, one
-after another. With --client-processes P the clients are spread over P child processes instead,
+For each --max-batch value (and window) a `splitspec serve` child process starts (the same target,
+the same threads), all of them before the first measurement; then for each client count, on every
+server in turn (interleaved, so that the points a ratio compares ran close in time), that many
+clients (threads of this process, each with its own gRPC channel, session and drafter) generate
+answers to Spec-Bench prompts for --seconds, one after another. With --client-processes P the clients are spread over P child processes instead,
 so that their drafting and gRPC work is not held to one interpreter lock: on a GPU server with
 spare host cores (session 37, an H200: a 135M target's verify step is ~30 ms of host work) a
 16-thread client process may itself be the bottleneck the table measures. Reported per
@@ -279,42 +280,56 @@ def _run_points(args, clients: list[int], points: list[tuple[int, str, float | N
     drafter = DrafterSpec.parse(args.drafter)
     target_model = shared_target(drafter, args.target)  # once for every point run in this process
     results: list[ServeResult] = []
-    for max_batch, batching, window in points:
-        port, metrics_port = free_port(), free_port()
-        graphs = ["--cuda-graphs"] if batching == "graphs" else []
-        windowed = ["--batch-window-ms", f"{window:g}"] if window is not None else []
-        server = start_server(args.target, port, extra=["--max-batch", str(max_batch),
-                                                        "--batching", "ragged" if graphs else batching, *graphs,
-                                                        *windowed, "--max-sessions", str(max(clients) + 1),
-                                                        "--device", args.device, "--dtype", args.dtype,
-                                                        "--metrics-port", str(metrics_port)],
-                              threads=args.threads)
-        try:
+    servers: list[tuple[int, int, object]] = []  # (port, metrics port, process) per point
+    try:
+        for max_batch, batching, window in points:  # every server up before the first measurement
+            port, metrics_port = free_port(), free_port()
+            graphs = ["--cuda-graphs"] if batching == "graphs" else []
+            windowed = ["--batch-window-ms", f"{window:g}"] if window is not None else []
+            servers.append((port, metrics_port, start_server(
+                args.target, port, extra=["--max-batch", str(max_batch), "--batching", "ragged" if graphs else batching,
+                                          *graphs, *windowed, "--max-sessions", str(max(clients) + 1),
+                                          "--device", args.device, "--dtype", args.dtype,
+                                          "--metrics-port", str(metrics_port)],
+                threads=args.threads)))
             run_clients(f"127.0.0.1:{port}", 1, prompts, drafter, fingerprint, args.target, 2.0, 8,  # warm-up
                         target_model=target_model)
-            for n in clients:
-                steps_before, forwards_before = forward_batches(metrics_port)
-                if args.client_processes > 1:
-                    tokens, elapsed, rates, steps = run_client_processes(
-                        f"127.0.0.1:{port}", n, args.client_processes, prompts, args.drafter, fingerprint, args.target,
-                        args.seconds, args.max_new_tokens)
-                else:
-                    tokens, elapsed, rates, steps = run_clients(f"127.0.0.1:{port}", n, prompts, drafter, fingerprint,
-                                                                args.target, args.seconds, args.max_new_tokens,
-                                                                target_model=target_model)
-                steps_after, forwards_after = forward_batches(metrics_port)
-                forwards = forwards_after - forwards_before
-                results.append(ServeResult(max_batch, batching, n, tokens, elapsed, statistics.mean(rates),
-                                           _percentile(steps, 0.5), _percentile(steps, 0.99),
-                                           (steps_after - steps_before) / forwards if forwards else None, window))
+        # interleaved: each client count on every server in turn, so that a slow spell of a shared
+        # machine, or a drift over the run, falls on the points it compares alike (until session 55
+        # every point of the first server ran first, and a lone client looked 8-13% slower batched)
+        for n in clients:
+            for (max_batch, batching, window), (port, metrics_port, _) in zip(points, servers):
+                results.append(_measure_point(args, port, metrics_port, n, prompts, drafter, fingerprint, target_model,
+                                              max_batch, batching, window))
                 print(f"max-batch {results[-1].label}, {n} clients: {results[-1].tok_s:.1f} tokens/s",
                       file=sys.stderr)
-        finally:
+    finally:
+        for _, _, server in servers:
             stop_server(server)
+    order = {point: i for i, point in enumerate(points)}
+    results.sort(key=lambda r: (order[(r.max_batch, r.batching, r.window_ms)], r.clients))
     table = render(results, args)
     print(table)
     if args.out:
         writable_file(args.out).write_text(table + "\n")
+
+
+def _measure_point(args, port: int, metrics_port: int, n: int, prompts, drafter, fingerprint: str, target_model,
+                   max_batch: int, batching: str, window: float | None) -> ServeResult:
+    """`n` clients for `args.seconds` against the server on `port`: one point of the table."""
+    steps_before, forwards_before = forward_batches(metrics_port)
+    if args.client_processes > 1:
+        tokens, elapsed, rates, steps = run_client_processes(
+            f"127.0.0.1:{port}", n, args.client_processes, prompts, args.drafter, fingerprint, args.target,
+            args.seconds, args.max_new_tokens)
+    else:
+        tokens, elapsed, rates, steps = run_clients(f"127.0.0.1:{port}", n, prompts, drafter, fingerprint,
+                                                    args.target, args.seconds, args.max_new_tokens,
+                                                    target_model=target_model)
+    steps_after, forwards_after = forward_batches(metrics_port)
+    forwards = forwards_after - forwards_before
+    return ServeResult(max_batch, batching, n, tokens, elapsed, statistics.mean(rates), _percentile(steps, 0.5),
+                       _percentile(steps, 0.99), (steps_after - steps_before) / forwards if forwards else None, window)
 
 
 def _processes_label(processes: int) -> str:

@@ -454,3 +454,40 @@ def test_prefill_bench_table_compares_with_one_forward():
     rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")}
     assert "1.10x" in rows["512"] and "1200" in rows["512"] and "30.0x" in rows["512"]  # 1200 ms against the idle p50 of 40
     assert "1.00x" in rows["off (one forward)"]
+
+
+def test_serve_bench_interleaves_its_points_and_reports_them_by_server(monkeypatch, capsys):
+    """Every server starts before the first measurement, each client count runs on every server in
+    turn (a drift over the run falls on compared points alike), and the table lists each server's
+    points together; every server is stopped."""
+    started, stopped, measured = [], [], []
+
+    def start(target, port, extra=(), threads=None):
+        started.append(extra[1])  # --max-batch N
+        return f"server-{len(started)}"
+
+    def clients(address, n, prompts, drafter, fingerprint, target, seconds, max_new_tokens, **kw):
+        if seconds != 2.0:  # not the warm-up
+            measured.append((address, n))
+        return n * 10, 1.0, [10.0] * n, [5.0, 6.0]
+
+    monkeypatch.setattr(serve_bench, "start_server", start)
+    monkeypatch.setattr(serve_bench, "stop_server", stopped.append)
+    monkeypatch.setattr(serve_bench, "run_clients", clients)
+    monkeypatch.setattr(serve_bench, "forward_batches", lambda port: (0.0, 0.0))
+    monkeypatch.setattr(serve_bench, "shared_target", lambda drafter, target: None)
+    monkeypatch.setattr(serve_bench, "load_tokenizer", lambda target: None)
+    monkeypatch.setattr(serve_bench, "tokenizer_fingerprint", lambda tokenizer: "fp")
+    monkeypatch.setattr(serve_bench, "encode_chat", lambda tokenizer, messages: [1, 2])
+    ports = iter(range(9000, 9100))
+    monkeypatch.setattr(serve_bench, "free_port", lambda: next(ports))
+    args = argparse.Namespace(target="t", drafter="ngram", seconds=20.0, max_new_tokens=8, threads=2, device="cpu",
+                              dtype="float32", client_processes=1, out=None)
+    points = serve_bench.serve_points([(1, "ragged"), (8, "ragged")], [5.0])
+    serve_bench._run_points(args, [1, 4], points, [{"text": "hi"}])
+    assert started == ["1", "8"] and stopped == ["server-1", "server-2"]
+    first, second = "127.0.0.1:9000", "127.0.0.1:9002"
+    assert measured == [(first, 1), (second, 1), (first, 4), (second, 4)]
+    rows = [line.split("|")[1:3] for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "max" not in line]
+    assert [(a.strip(), b.strip()) for a, b in rows] == [("1", "1"), ("1", "4"), ("8, window 5 ms", "1"),
+                                                        ("8, window 5 ms", "4")]
