@@ -76,8 +76,10 @@ def token_gaps_ms(start_s: float, arrivals_s: Sequence[float]) -> tuple[float, l
     return (arrivals_s[0] - start_s) * 1e3, gaps
 
 
-def quantile(values: Iterable[float], q: float) -> float:
-    """The q-quantile (0 <= q <= 1, linear interpolation between order statistics); NaN if empty.
+def quantile(values: Iterable[float], q: float, method: str = "linear") -> float:
+    """The q-quantile (0 <= q <= 1); NaN if empty. `method` as numpy's: "linear" interpolates
+    between order statistics, "nearest" takes the one at round(q x (n - 1)) (a value that occurred:
+    serve-bench's and prefill-bench's step latencies).
 
     Raises:
         ValueError: q outside [0, 1].
@@ -85,7 +87,7 @@ def quantile(values: Iterable[float], q: float) -> float:
     if not 0 <= q <= 1:
         raise ValueError(f"quantile q must be in [0, 1], got {q}")
     data = np.fromiter(values, dtype=float)
-    return float(np.quantile(data, q)) if data.size else math.nan
+    return float(np.quantile(data, q, method=method)) if data.size else math.nan
 
 
 @dataclass(frozen=True)

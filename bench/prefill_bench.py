@@ -26,6 +26,7 @@ from splitspec.shared.models import load_tokenizer, tokenizer_fingerprint
 from splitspec.v1 import verify_pb2 as pb
 from splitspec.v1 import verify_pb2_grpc as pb_grpc
 
+from .metrics import quantile
 from .out_paths import writable_file
 from .service_process import free_port, sigterm_exits, start_server, stop_server
 
@@ -40,13 +41,6 @@ class PrefillPoint:
     ttft_ms: list[float]  # the long prompts' OpenSession round trips
     idle_ms: list[float]  # decoding steps that overlapped no long prefill
     during_ms: list[float]  # decoding steps that overlapped one
-
-
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
 def _decoding_client(stub, fingerprint: str, vocab: int, stop: threading.Event, steps: list[tuple[float, float]],
@@ -148,10 +142,10 @@ def format_table(points: list[PrefillPoint], prompt_tokens: int) -> str:
              "|---|---|---|---|---|---|"]
     for p in points:
         ttft = statistics.median(p.ttft_ms)
-        idle = _percentile(p.idle_ms, 0.5)
+        idle = quantile(p.idle_ms, 0.5, "nearest")
         worst = max(p.during_ms) if p.during_ms else float("nan")
         lines.append(f"| {p.chunk or 'off (one forward)'} | {ttft:.0f} | {ttft / base_ttft:.2f}x | {idle:.1f} | "
-                     f"{_percentile(p.during_ms, 0.5):.1f} / {_percentile(p.during_ms, 0.99):.1f} / {worst:.0f} | "
+                     f"{quantile(p.during_ms, 0.5, 'nearest'):.1f} / {quantile(p.during_ms, 0.99, 'nearest'):.1f} / {worst:.0f} | "
                      f"{worst / idle:.1f}x |")
     return "\n".join(lines)
 

@@ -33,6 +33,7 @@ from splitspec.client.transport import RemoteVerifier
 from splitspec.shared.drafters.spec import SELF_DRAFTING, DrafterSpec
 from splitspec.shared.models import encode_chat, load_model, load_tokenizer, tokenizer_fingerprint
 
+from .metrics import quantile
 from .out_paths import writable_file
 from .prompts import load_prompts
 from .service_process import free_port, sigterm_exits, start_server, stop_server
@@ -88,10 +89,8 @@ def forward_batches(metrics_port: int) -> tuple[float, float]:
 
 
 def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    """The step latencies' q-quantile, a latency that occurred; 0.0 when no step completed."""
+    return quantile(values, q, method="nearest") if values else 0.0
 
 
 def shared_target(drafter: DrafterSpec, target: str):

@@ -311,11 +311,8 @@ class _Run:
     def _open(self, upto: int) -> None:
         """A session holding the redacted context [0, upto); the target's next token lands at `upto`."""
         prompt = [self.answer.view(p) for p in range(upto)]
-        if self._open_cancelled is None:
-            session, opened = self.verifier.open(prompt, self.sampling, self.drafter.feature_request)
-        else:
-            session, opened = self.verifier.open(prompt, self.sampling, self.drafter.feature_request,
-                                                 cancelled=self._open_cancelled)
+        session, opened = self.verifier.open(prompt, self.sampling, self.drafter.feature_request,
+                                             cancelled=self._open_cancelled)
         self.session, self.server = session, ServerView(upto, opened.first_token)
         self.stats.calls.append(opened.stats)
         self.stats.target_calls += 1

@@ -143,14 +143,13 @@ class PrivacyGuard:
             for gram in grams:
                 # a gram cutting a character in two decodes to U+FFFD there: its whole characters only
                 text = _fold(self.decode(list(gram))).strip().strip("\ufffd").strip()
-                if sum(map(str.isalnum, text)) >= MIN_PHRASE_CHARS and "\ufffd" not in text:
+                if _alnum(text) >= MIN_PHRASE_CHARS and "\ufffd" not in text:
                     phrases.add(text)
             for run in runs:  # a gram starting inside a word: also the word's text from its start
                 phrases.update(self._word_phrases(run))
         object.__setattr__(self, "_phrases", tuple(sorted(phrases, key=len)))
         # every phrase starting at each position, the longest first (it ends furthest)
-        object.__setattr__(self, "_finder", re.compile("(?=(" + "|".join(
-            re.escape(p) for p in sorted(phrases, key=len, reverse=True)) + "))") if phrases else None)
+        object.__setattr__(self, "_finder", _finder(phrases))
         longest = max(map(len, phrases), default=0)
         object.__setattr__(self, "_longest", longest)
         # context tokens an occurrence ending in a draft token can start in, at most: each token holds
@@ -162,8 +161,7 @@ class PrivacyGuard:
         squeezed = {_squeeze(p) for p in phrases}
         object.__setattr__(self, "_squeezed", max(map(len, squeezed), default=0))
         object.__setattr__(self, "_squeezed_phrases", tuple(squeezed))
-        object.__setattr__(self, "_squeezed_finder", re.compile("(?=(" + "|".join(
-            re.escape(p) for p in sorted(squeezed, key=len, reverse=True)) + "))") if squeezed else None)
+        object.__setattr__(self, "_squeezed_finder", _finder(squeezed))
         object.__setattr__(self, "_pieces", {})
 
     def _word_phrases(self, run: list[int]) -> set[str]:
@@ -184,7 +182,7 @@ class PrivacyGuard:
             while _inside_word(text, begin):
                 begin -= 1
             phrase = text[begin:].strip().strip("\ufffd").strip()
-            if (begin > 0 or low == 0) and "\ufffd" not in phrase and sum(map(str.isalnum, phrase)) >= MIN_PHRASE_CHARS:
+            if (begin > 0 or low == 0) and "\ufffd" not in phrase and _alnum(phrase) >= MIN_PHRASE_CHARS:
                 found.add(phrase)
         return found
 
@@ -272,16 +270,15 @@ class PrivacyGuard:
 
     def _names_private(self, sequence: Sequence[int], row, start: int | None) -> bool:
         """`names_private`, the text decoded from `start` (None: the window `completes` decodes)."""
-        support = None
         head = tuple(sequence[len(sequence) - (self.ngram - 1):]) if self.ngram > 1 else ()
-        if len(head) == self.ngram - 1 and head in self._heads:
-            support = row.token_ids[row.probs > 0].tolist()
-            if any(head + (token,) in self._grams for token in support):
-                return True
+        headed = len(head) == self.ngram - 1 and head in self._heads
+        if not headed and not self._phrases:
+            return False
+        support = row.token_ids[row.probs > 0].tolist()
+        if headed and any(head + (token,) in self._grams for token in support):
+            return True
         if not self._phrases:
             return False
-        if support is None:
-            support = row.token_ids[row.probs > 0].tolist()
         seq = list(sequence)
         start = max(0, len(seq) - self._window) if start is None else start
         # a row holds up to hundreds of tokens: decode after `sequence` only those whose own text could
@@ -365,6 +362,14 @@ class PrivacyGuard:
 
 def _fold(text: str) -> str:
     return text.casefold()
+
+
+def _finder(phrases) -> re.Pattern | None:
+    """A pattern matching, at every position, the longest of `phrases` starting there (group 1;
+    a lookahead, so overlapping occurrences are all found); None for no phrase."""
+    if not phrases:
+        return None
+    return re.compile("(?=(" + "|".join(re.escape(p) for p in sorted(phrases, key=len, reverse=True)) + "))")
 
 
 def _alnum(text: str) -> int:

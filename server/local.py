@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import time
 
+from splitspec.shared.config import ServerLimits
 from splitspec.shared.models import eos_token_ids, load_model, tokenizer_fingerprint
 from splitspec.shared.verifier import (CallStats, OpenCancelled, OpenResult, ServerInfo, StepResult, Verifier,
                                       VerifierSession)
 
 from .runner import TargetRunner
 
-# prompt tokens per forward of a cancellable open (the service's default `--prefill-chunk`)
-PREFILL_CHUNK = 512
+# prompt tokens per forward of a cancellable open: the service's default `--prefill-chunk`
+PREFILL_CHUNK = ServerLimits().prefill_chunk
 
 
 class LocalVerifier(Verifier):
@@ -43,7 +44,7 @@ class LocalVerifier(Verifier):
             while True:
                 if cancelled():
                     raise OpenCancelled("the open was cancelled during its prefill")
-                if len(prompt_ids) - prefill.done <= PREFILL_CHUNK:
+                if prefill.left <= PREFILL_CHUNK:
                     break
                 self.runner.prefill_chunk(prefill, PREFILL_CHUNK)
         session, batch, forward_ms = self.runner.open(list(prompt_ids), sampling, features, prefill=prefill)

@@ -52,6 +52,11 @@ class Prefill:
     forward_ms: float = 0.0
     last_logits: torch.Tensor | None = None  # [V] of the last position run
 
+    @property
+    def left(self) -> int:
+        """Prompt positions no chunk has run yet."""
+        return len(self.prompt_ids) - self.done
+
 
 @dataclass(frozen=True)
 class StepOutput:
@@ -134,7 +139,7 @@ class TargetRunner:
         Raises:
             ValueError: `max_tokens` < 1, or no prompt position left.
         """
-        if max_tokens < 1 or prefill.done >= len(prefill.prompt_ids):
+        if max_tokens < 1 or not prefill.left:
             raise ValueError(f"a prefill chunk needs max_tokens >= 1 and positions left, got {max_tokens} "
                              f"at {prefill.done} of {len(prefill.prompt_ids)}")
         start_pos, stop = prefill.done, min(prefill.done + max_tokens, len(prefill.prompt_ids))
@@ -166,8 +171,8 @@ class TargetRunner:
         """
         if prefill is None:
             prefill = self.start_prefill(prompt_ids, features)
-        if prefill.done < len(prompt_ids):
-            self.prefill_chunk(prefill, len(prompt_ids) - prefill.done)
+        if prefill.left:
+            self.prefill_chunk(prefill, prefill.left)
         generator = make_generator(sampling.seed, Stream.TARGET, position=len(prompt_ids))  # a re-open: fresh draws
         last = prefill.last_logits
         history = list(prompt_ids[-sampling.penalty_window:]) if sampling.penalized else []

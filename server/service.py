@@ -12,8 +12,9 @@ hold counts, sizes and times only, never prompt or output text or token ids.
 Threads: the event loop does bookkeeping and O(request size) checks only. Decoding and checking
 draft probabilities (CPU work that grows with rows x vocabulary) runs on a small parse pool, model
 work on the single model worker. A reservation of KV tokens lives exactly as long as the work item
-it was made for (`_run`): it is released when the item finishes, fails or is cancelled while
-queued (its caller gone, or the server shutting down). docs/reliability.md lists every guard.
+it was made for (`_run`; a chunked prefill's spans its chunks, `_prefill`): it is released when the
+item finishes, fails or is cancelled while queued (its caller gone, or the server shutting down).
+docs/reliability.md lists every guard.
 
 Every tensor operation big enough for torch to run it on several cores (the model's, and the
 features' quantization) runs on that one worker thread, which should also be the thread that loaded
@@ -369,7 +370,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         first_started = None
         running: Future | None = None
         try:
-            while chunk is not None and len(prompt) - prefill.done > chunk:
+            while chunk is not None and prefill.left > chunk:
                 running = self._submit(self._prefill_part, entry, prefill, chunk)
                 _, started = await self._wait(running)
                 first_started = first_started if first_started is not None else started
@@ -838,8 +839,9 @@ def _reload_tokens(servicer: VerifyServicer, reload_tokens) -> None:
 
 def _exit_now(sig: int) -> None:
     """A second SIGINT / SIGTERM during shutdown: end the process now (status 128 + the signal),
-    abandoning the running model step (a 4,000-token prefill on a CPU: over a minute, longer than
-    a supervisor waits). Clients see their calls fail and reopen their sessions elsewhere."""
+    abandoning the running model step (a prefill chunk or a verify step: seconds on a CPU; a whole
+    prompt with `--prefill-chunk 0`, over a minute for 4,000 tokens). Clients see their calls fail
+    and reopen their sessions elsewhere."""
     print(f"splitspec verify service: {signal.Signals(sig).name} again: stopped without waiting for the "
           "running model step", file=sys.stderr, flush=True)
     os._exit(128 + sig)
@@ -906,7 +908,7 @@ async def serve(runner: TargetRunner, host: str, port: int, limits: ServerLimits
     await stop.wait()
     print("splitspec verify service: shutting down (draining in-flight steps; a second Ctrl-C or SIGTERM "
           "stops at once)", flush=True)
-    for sig in (signal.SIGINT, signal.SIGTERM):  # one model step (a long prompt's prefill) cannot be cut short
+    for sig in (signal.SIGINT, signal.SIGTERM):  # one model step (a prefill chunk, a verify step) cannot be cut short
         loop.add_signal_handler(sig, _exit_now, sig)
     sweeper.cancel()
     drained = await shutdown(server, servicer, health, grace_s)

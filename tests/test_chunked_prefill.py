@@ -34,7 +34,7 @@ PROMPT = [1, 45, 100, 17, 99, 4, 250, 33, 71, 12, 300, 7, 18]  # longer than the
 def _chunked(runner: TargetRunner, prompt, features, chunk: int):
     """A prefill of `prompt` with every chunk but the last run, as the service runs it."""
     prefill = runner.start_prefill(prompt, features)
-    while len(prompt) - prefill.done > chunk:
+    while prefill.left > chunk:
         runner.prefill_chunk(prefill, chunk)
     return prefill
 
