@@ -247,7 +247,7 @@ class PrivacyGuard:
         With `decode`, a run whose text holds fewer than MIN_RUN_CHARS letters and digits is not
         written (0; `prune` cuts it instead, which is lossless): a private number's digit grams,
         (" ", "1") of a private " 12345678", matched public numbers at 8-11 places per 1,000 answer
-        tokens, each written unverified (measured over 300 of the target's answers, session 55)."""
+        tokens, each written unverified (`tools/privacy_rates.py`: 300 of the target's answers, session 55)."""
         tail = list(context[len(context) - (self.ngram - 1):]) if self.ngram > 1 else []
         seq = tail + list(path)
         hits = [self._completes_ids(seq[: len(tail) + i + 1]) for i in range(len(path))]
