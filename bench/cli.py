@@ -79,6 +79,9 @@ def _add_serve_bench_parser(sub) -> None:
                         "(--device cuda)")
     p.add_argument("--drafter", default="ngram", help="each client's drafter (cheap ones leave the CPU to the server)")
     p.add_argument("--seconds", type=at_least(0, strict=True), default=20.0, help="measured time per (max batch, clients) point")
+    p.add_argument("--rounds", type=at_least(1, int), default=1,
+                   help="passes over every point, interleaved; the table shows medians with their range and ratios "
+                        "taken within a round")
     p.add_argument("--max-new-tokens", type=at_least(1, int), default=48)
     p.add_argument("--limit", type=at_least(1, int), default=2,
                    help="Spec-Bench prompts per category the clients cycle through")

@@ -5,8 +5,10 @@ For each --max-batch value (and window) a `splitspec serve` child process starts
 the same threads), all of them before the first measurement; then for each client count, on every
 server in turn (interleaved, so that the points a ratio compares ran close in time), that many
 clients (threads of this process, each with its own gRPC channel, session and drafter) generate
-answers to Spec-Bench prompts for --seconds, one after another. With --client-processes P the clients are spread over P child processes instead,
-so that their drafting and gRPC work is not held to one interpreter lock: on a GPU server with
+answers to Spec-Bench prompts for --seconds, one after another; with --rounds R the whole
+interleaved pass runs R times and the table gives each point's median with its range, ratios taken
+within a round (a single 15-20 s point varies by +-10% on a shared 2-core machine, session 55).
+With --client-processes P the clients are spread over P child processes instead, so that their drafting and gRPC work is not held to one interpreter lock: on a GPU server with
 spare host cores (session 37, an H200: a 135M target's verify step is ~30 ms of host work) a
 16-thread client process may itself be the bottleneck the table measures. Reported per
 (max_batch, clients): aggregate generated tokens/s, per-client tokens/s, p50/p99 latency of a
@@ -51,6 +53,8 @@ class ServeResult:
     step_ms_p99: float
     steps_per_forward: float | None = None  # mean Verify steps a target forward scored (the server's metrics)
     window_ms: float | None = None  # server --batch-window-ms (None: not set by the bench)
+    round: int = 0  # which --rounds pass measured it (0 = the first)
+    step_ms: tuple[float, ...] = ()  # every Verify round trip of the point, for quantiles pooled over rounds
 
     @property
     def label(self) -> str:
@@ -296,17 +300,18 @@ def _run_points(args, clients: list[int], points: list[tuple[int, str, float | N
         # interleaved: each client count on every server in turn, so that a slow spell of a shared
         # machine, or a drift over the run, falls on the points it compares alike (until session 55
         # every point of the first server ran first, and a lone client looked 8-13% slower batched)
-        for n in clients:
-            for (max_batch, batching, window), (port, metrics_port, _) in zip(points, servers):
-                results.append(_measure_point(args, port, metrics_port, n, prompts, drafter, fingerprint, target_model,
-                                              max_batch, batching, window))
-                print(f"max-batch {results[-1].label}, {n} clients: {results[-1].tok_s:.1f} tokens/s",
-                      file=sys.stderr)
+        for rnd in range(args.rounds):
+            for n in clients:
+                for (max_batch, batching, window), (port, metrics_port, _) in zip(points, servers):
+                    results.append(_measure_point(args, port, metrics_port, n, prompts, drafter, fingerprint,
+                                                  target_model, max_batch, batching, window, rnd))
+                    print(f"round {rnd + 1}/{args.rounds}, max-batch {results[-1].label}, {n} clients: "
+                          f"{results[-1].tok_s:.1f} tokens/s", file=sys.stderr)
     finally:
         for _, _, server in servers:
             stop_server(server)
     order = {point: i for i, point in enumerate(points)}
-    results.sort(key=lambda r: (order[(r.max_batch, r.batching, r.window_ms)], r.clients))
+    results.sort(key=lambda r: (order[(r.max_batch, r.batching, r.window_ms)], r.clients, r.round))
     table = render(results, args)
     print(table)
     if args.out:
@@ -314,8 +319,8 @@ def _run_points(args, clients: list[int], points: list[tuple[int, str, float | N
 
 
 def _measure_point(args, port: int, metrics_port: int, n: int, prompts, drafter, fingerprint: str, target_model,
-                   max_batch: int, batching: str, window: float | None) -> ServeResult:
-    """`n` clients for `args.seconds` against the server on `port`: one point of the table."""
+                   max_batch: int, batching: str, window: float | None, rnd: int = 0) -> ServeResult:
+    """`n` clients for `args.seconds` against the server on `port`: one point of the table in round `rnd`."""
     steps_before, forwards_before = forward_batches(metrics_port)
     if args.client_processes > 1:
         tokens, elapsed, rates, steps = run_client_processes(
@@ -328,7 +333,8 @@ def _measure_point(args, port: int, metrics_port: int, n: int, prompts, drafter,
     steps_after, forwards_after = forward_batches(metrics_port)
     forwards = forwards_after - forwards_before
     return ServeResult(max_batch, batching, n, tokens, elapsed, statistics.mean(rates), _percentile(steps, 0.5),
-                       _percentile(steps, 0.99), (steps_after - steps_before) / forwards if forwards else None, window)
+                       _percentile(steps, 0.99), (steps_after - steps_before) / forwards if forwards else None, window,
+                       rnd, tuple(steps))
 
 
 def _processes_label(processes: int) -> str:
@@ -336,37 +342,60 @@ def _processes_label(processes: int) -> str:
 
 
 def render(results: list[ServeResult], args) -> str:
-    """The serve-bench table and goal lines.
+    """The serve-bench table and goal lines. With several rounds, each (max batch, clients) point
+    shows the median over rounds with the range; its ratios are taken within each round (against
+    that round's one client, that round's unbatched server) and shown the same way; step latency
+    quantiles pool every round's steps.
 
     Raises:
-        ValueError: two results of one (label, clients) point: their ratios would mix them.
+        ValueError: two results of one (label, clients, round) point: their ratios would mix them.
     """
-    points = [(r.label, r.clients) for r in results]
-    if len(set(points)) != len(points):
-        raise ValueError("serve-bench results hold one (max batch, clients) point twice")
-    one = {r.label: r.tok_s for r in results if r.clients == 1}
-    unbatched = {r.clients: r.tok_s for r in results if r.max_batch == 1 and r.batching != "graphs"}
+    keys = [(r.label, r.clients, r.round) for r in results]
+    if len(set(keys)) != len(keys):
+        raise ValueError("serve-bench results hold one (max batch, clients) point twice in a round")
+    groups: dict[tuple[str, int], list[ServeResult]] = {}
+    for r in results:
+        groups.setdefault((r.label, r.clients), []).append(r)
+    rounds = len({r.round for r in results})
+    one = {(r.label, r.round): r.tok_s for r in results if r.clients == 1}
+    unbatched = {(r.clients, r.round): r.tok_s for r in results if r.max_batch == 1 and r.batching != "graphs"}
     lines = [f"target {args.target}, drafter {args.drafter}, {args.seconds:g} s per point, up to "
              f"{args.max_new_tokens} tokens per answer, server on {args.device} "
              f"({getattr(args, 'dtype', 'float32')}), torch threads "
              f"{args.threads or 'default'}, clients in "
-             f"{_processes_label(getattr(args, 'client_processes', 1))}",
+             f"{_processes_label(getattr(args, 'client_processes', 1))}"
+             + (f"; {rounds} interleaved rounds: medians (range), ratios within a round" if rounds > 1 else ""),
              "",
              "| max batch | clients | aggregate tokens/s | vs 1 client | vs unbatched | per-client tokens/s | "
              "step p50 ms | step p99 ms | steps per forward |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        vs_one = f"{r.tok_s / one[r.label]:.2f}x" if one.get(r.label) else "-"  # no 1-client point in the run
-        vs_unbatched = f"{r.tok_s / unbatched[r.clients]:.2f}x" if unbatched.get(r.clients) else "-"  # no max-batch 1
-        per_forward = f"{r.steps_per_forward:.2f}" if r.steps_per_forward is not None else "-"
-        lines.append(f"| {r.label} | {r.clients} | {r.tok_s:.1f} | {vs_one} | {vs_unbatched} | "
-                     f"{r.per_client_tok_s:.1f} | {r.step_ms_p50:.1f} | {r.step_ms_p99:.1f} | {per_forward} |")
-    goal = [r for r in results if r.clients == 8 and r.max_batch > 1]
+    goal = []
+    for (label, clients), rs in groups.items():
+        vs_one = [r.tok_s / one[(label, r.round)] for r in rs if one.get((label, r.round))]
+        vs_unbatched = [r.tok_s / unbatched[(clients, r.round)] for r in rs if unbatched.get((clients, r.round))]
+        steps = [s for r in rs for s in r.step_ms]
+        p50 = _percentile(steps, 0.5) if steps else statistics.median(r.step_ms_p50 for r in rs)
+        p99 = _percentile(steps, 0.99) if steps else statistics.median(r.step_ms_p99 for r in rs)
+        per_forward = [r.steps_per_forward for r in rs if r.steps_per_forward is not None]
+        lines.append(f"| {label} | {clients} | {_spread([r.tok_s for r in rs], '.1f')} | "
+                     f"{_spread(vs_one, '.2f', 'x')} | {_spread(vs_unbatched, '.2f', 'x')} | "
+                     f"{_spread([r.per_client_tok_s for r in rs], '.1f')} | {p50:.1f} | {p99:.1f} | "
+                     f"{f'{statistics.median(per_forward):.2f}' if per_forward else '-'} |")
+        if clients == 8 and rs[0].max_batch > 1 and vs_one:
+            goal.append((label, vs_one))
     if goal:
         lines.append("")
-    for r in goal:
-        if one.get(r.label):
-            ratio = r.tok_s / one[r.label]
-            lines.append(f"Goal (issue 11): 8 clients' aggregate tokens/s >= 4x one client's: measured {ratio:.2f}x "
-                         f"(max batch {r.label}) -> {'met' if ratio >= 4 else 'missed'}")
+    for label, ratios in goal:
+        ratio = statistics.median(ratios)
+        spread = f" (median of {len(ratios)} rounds, {min(ratios):.2f}x-{max(ratios):.2f}x)" if len(ratios) > 1 else ""
+        lines.append(f"Goal (issue 11): 8 clients' aggregate tokens/s >= 4x one client's: measured {ratio:.2f}x"
+                     f"{spread} (max batch {label}) -> {'met' if ratio >= 4 else 'missed'}")
     return "\n".join(lines)
+
+
+def _spread(values: list[float], spec: str, unit: str = "") -> str:
+    """'4.36x' for one value, 'median (min-max)' for several, '-' for none."""
+    if not values:
+        return "-"
+    median = f"{statistics.median(values):{spec}}{unit}"
+    return median if len(values) == 1 else f"{median} ({min(values):{spec}}-{max(values):{spec}}{unit})"

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -81,6 +82,34 @@ def test_serve_bench_points_and_table_refuse_one_label_twice():
     twice = [serve_bench.ServeResult(8, "ragged", 1, 10, 1.0, 10.0, 1.0, 2.0, window_ms=5.0)] * 2
     with pytest.raises(ValueError, match="twice"):
         serve_bench.render(twice, None)
+    rounds = [serve_bench.ServeResult(8, "ragged", 1, 10, 1.0, 10.0, 1.0, 2.0, window_ms=5.0, round=r)
+              for r in (0, 1)]  # one point in two rounds is no repeat
+    assert "| 8, window 5 ms | 1 | 10.0 (10.0-10.0) |" in serve_bench.render(rounds, _SERVE_ARGS)
+
+
+_SERVE_ARGS = SimpleNamespace(target="t", drafter="ngram", seconds=1.0, max_new_tokens=12, threads=1, device="cpu")
+
+
+def test_serve_bench_rounds_pair_ratios_within_a_round_and_pool_latencies():
+    """--rounds: each point's median over rounds with its range; a ratio against one client (or the
+    unbatched server) is taken within one round, so a slow round slows both sides of it alike."""
+    def point(max_batch, clients, tok, rnd, steps):
+        return serve_bench.ServeResult(max_batch, "ragged", clients, tok, 1.0, tok / clients, 0.0, 0.0,
+                                       round=rnd, step_ms=tuple(steps))
+
+    results = [point(1, 1, 100, 0, [10] * 9), point(8, 1, 100, 0, [10] * 9), point(8, 8, 420, 0, [30] * 9),
+               point(1, 1, 50, 1, [20] * 9), point(8, 1, 50, 1, [20] * 9), point(8, 8, 190, 1, [60] * 9),
+               point(1, 1, 80, 2, [15] * 9), point(8, 1, 80, 2, [15] * 9), point(8, 8, 360, 2, [45] * 8 + [900]),
+               point(1, 8, 100, 0, [40]), point(1, 8, 60, 1, [80]), point(1, 8, 90, 2, [50])]
+    table = serve_bench.render(results, _SERVE_ARGS)
+    # rounds' ratios 4.2, 3.8, 4.5: median 4.2 (pooled tokens/s would give 970 / 230 = 4.22, the
+    # medians' 360 / 80 = 4.5: neither is a within-round ratio)
+    assert "| 8 | 8 | 360.0 (190.0-420.0) | 4.20x (3.80-4.50x) | 4.00x (3.17-4.20x) |" in table
+    assert "measured 4.20x (median of 3 rounds, 3.80x-4.50x) (max batch 8) -> met" in table
+    assert "| 1 | 1 | 80.0 (50.0-100.0) | 1.00x (1.00-1.00x) | 1.00x (1.00-1.00x) |" in table
+    row = next(line for line in table.splitlines() if line.startswith("| 8 | 8 |"))
+    assert row.endswith("| 45.0 | 900.0 | - |")  # p50 and p99 of all 27 steps pooled
+    assert "3 interleaved rounds" in table
 
 
 # --- 2. verify-cost: a random target's onednn rows are packed like a real target's ---------------
@@ -458,8 +487,8 @@ def test_prefill_bench_table_compares_with_one_forward():
 
 def test_serve_bench_interleaves_its_points_and_reports_them_by_server(monkeypatch, capsys):
     """Every server starts before the first measurement, each client count runs on every server in
-    turn (a drift over the run falls on compared points alike), and the table lists each server's
-    points together; every server is stopped."""
+    turn (a drift over the run falls on compared points alike), --rounds repeats that whole pass, and
+    the table lists each server's points together, once per point; every server is stopped."""
     started, stopped, measured = [], [], []
 
     def start(target, port, extra=(), threads=None):
@@ -482,12 +511,12 @@ def test_serve_bench_interleaves_its_points_and_reports_them_by_server(monkeypat
     ports = iter(range(9000, 9100))
     monkeypatch.setattr(serve_bench, "free_port", lambda: next(ports))
     args = argparse.Namespace(target="t", drafter="ngram", seconds=20.0, max_new_tokens=8, threads=2, device="cpu",
-                              dtype="float32", client_processes=1, out=None)
+                              dtype="float32", client_processes=1, out=None, rounds=2)
     points = serve_bench.serve_points([(1, "ragged"), (8, "ragged")], [5.0])
     serve_bench._run_points(args, [1, 4], points, [{"text": "hi"}])
     assert started == ["1", "8"] and stopped == ["server-1", "server-2"]
     first, second = "127.0.0.1:9000", "127.0.0.1:9002"
-    assert measured == [(first, 1), (second, 1), (first, 4), (second, 4)]
+    assert measured == [(first, 1), (second, 1), (first, 4), (second, 4)] * 2
     rows = [line.split("|")[1:3] for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "max" not in line]
     assert [(a.strip(), b.strip()) for a, b in rows] == [("1", "1"), ("1", "4"), ("8, window 5 ms", "1"),
                                                         ("8, window 5 ms", "4")]
