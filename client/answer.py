@@ -55,8 +55,37 @@ class StreamEvent:
     source: Provenance = Provenance.TARGET
     count: int = 0
 
+    @property
+    def relabelled_to(self) -> Provenance:
+        """What a VERIFIED (TARGET) or KEPT (KEPT) event makes its `count` tokens' provenance.
+
+        Raises ValueError for the other kinds, which relabel nothing."""
+        if self.kind == EventKind.VERIFIED:
+            return Provenance.TARGET
+        if self.kind == EventKind.KEPT:
+            return Provenance.KEPT
+        raise ValueError(f"a {self.kind} event relabels no tokens")
+
 
 EventCallback = Callable[[StreamEvent], None]
+
+
+class AnswerTokens:
+    """An EventCallback that rebuilds the answer from its events: `ids` and each one's provenance
+    (`sources`, as strings), as far as the events went (an answer that failed part way included)."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.sources: list[str] = []
+
+    def __call__(self, event: StreamEvent) -> None:
+        if event.kind == EventKind.TOKENS:
+            self.ids += event.tokens
+            self.sources += [str(event.source)] * len(event.tokens)
+        elif event.kind == EventKind.RETRACT:
+            del self.ids[event.start:], self.sources[event.start:]
+        else:  # VERIFIED / KEPT
+            self.sources[event.start:event.start + event.count] = [str(event.relabelled_to)] * event.count
 
 
 class Answer:

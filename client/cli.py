@@ -20,6 +20,7 @@ from splitspec.shared.models import DEFAULT_TARGET
 from splitspec.shared.sampling import SamplingParams
 from splitspec.shared.verifier import LinkDown
 
+from .answer import AnswerTokens
 from .history import ChatHistory, default_path
 from .privacy import PrivacyGuard, encode_private_chat, placeholder_token, tag_private_answer
 from .reconnect import OfflinePolicy
@@ -185,7 +186,7 @@ def _say_waiting(message: str) -> None:
 def cmd_generate(args, local_verifier=None) -> None:
     setup = _setup(args, local_verifier)
     prompt_ids, privacy = _encode(setup, args, _messages(args, [{"role": "user", "content": args.prompt}]))
-    stream = _Collected() if args.json else TextStream(setup.tokenizer)
+    stream = AnswerTokens() if args.json else TextStream(setup.tokenizer)
     try:
         gen = setup.decoder.generate(prompt_ids, args.max_new_tokens, setup.sampling, on_event=stream,
                                      privacy=privacy)
@@ -207,25 +208,6 @@ def cmd_generate(args, local_verifier=None) -> None:
             print(f"\n(the target's context of {setup.decoder.verifier.info.max_context} tokens is full)", end="")
         print(f"\n{gen.stats.summary()}")
     setup.decoder.verifier.close()
-
-
-class _Collected:
-    """The answer as its stream events describe it (client/answer.py StreamEvent): token ids and who
-    wrote each, kept for `generate --json` when the answer fails part way."""
-
-    def __init__(self) -> None:
-        self.ids: list[int] = []
-        self.sources: list[str] = []
-
-    def __call__(self, event) -> None:
-        if event.kind == "tokens":
-            self.ids += event.tokens
-            self.sources += [str(event.source)] * len(event.tokens)
-        elif event.kind == "retract":
-            del self.ids[event.start:], self.sources[event.start:]
-        elif event.kind in ("verified", "kept"):
-            label = "target" if event.kind == "verified" else "kept"
-            self.sources[event.start:event.start + event.count] = [label] * event.count
 
 
 def _chat_turn(setup, args, history_db, conversation: int, line: str, prompt_ids, privacy, stream):

@@ -118,6 +118,5 @@ class AnswerWriter:
             elif event.kind == "retract":
                 self.db.execute("DELETE FROM tokens WHERE message = ? AND position >= ?", (self.message, event.start))
             else:  # verified / kept
-                source = "target" if event.kind == "verified" else "kept"
                 self.db.execute("UPDATE tokens SET source = ? WHERE message = ? AND position >= ? AND position < ?",
-                                (source, self.message, event.start, event.start + event.count))
+                                (str(event.relabelled_to), self.message, event.start, event.start + event.count))

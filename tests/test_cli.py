@@ -200,6 +200,36 @@ def test_text_stream_marks_offline_text_and_rewrites(stories):
     assert stream.ids == hello + there
 
 
+def test_answer_tokens_follow_every_event_kind(tmp_path):
+    """`generate --json`'s record of an answer (client/answer.py AnswerTokens): appends, relabels of
+    offline tokens (verified -> target, kept -> kept) and retractions; the chat history's token rows
+    (client/history.py AnswerWriter) end the same."""
+    from splitspec.client.answer import AnswerTokens, EventKind, Provenance, StreamEvent
+    from splitspec.client.history import ChatHistory
+
+    history = ChatHistory(tmp_path / "history.db")
+    message = history.add_message(history.new_conversation("t", "ngram"), "assistant", "", complete=False)
+    answer, writer = AnswerTokens(), history.answer_writer(message)
+
+    def both(event):
+        answer(event)
+        writer(event)
+
+    both(StreamEvent(EventKind.TOKENS, 0, (1, 2)))
+    both(StreamEvent(EventKind.TOKENS, 2, (3, 4, 5, 6), Provenance.OFFLINE))
+    both(StreamEvent(EventKind.VERIFIED, 2, count=1))
+    both(StreamEvent(EventKind.KEPT, 3, count=1))
+    assert answer.ids == [1, 2, 3, 4, 5, 6]
+    assert answer.sources == ["target", "target", "target", "kept", "offline", "offline"]
+    both(StreamEvent(EventKind.RETRACT, 4))
+    both(StreamEvent(EventKind.TOKENS, 4, (9,), Provenance.PRIVATE))
+    assert answer.ids == [1, 2, 3, 4, 9] and answer.sources[-2:] == ["kept", "private"]
+    assert history.tokens(message) == list(zip(answer.ids, answer.sources))
+    history.close()
+    with pytest.raises(ValueError, match="relabels no tokens"):
+        StreamEvent(EventKind.RETRACT, 0).relabelled_to
+
+
 @pytest.mark.slow
 def test_demo_runs_end_to_end(stories_path, capsys):
     """`splitspec demo` (what `make demo` runs) on the tiny target: a server process, streamed answers."""
