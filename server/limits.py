@@ -9,6 +9,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -59,14 +60,22 @@ def reply_feature_bytes(config, spec: FeatureRequest, positions: int, lsa_width:
     return raw + raw // 256 + 256 * tensors
 
 
+@dataclass
+class Reservation:
+    """KV tokens admitted for one model work item and not (yet) held by its session's cache."""
+
+    tokens: int = 0
+
+
 class KVBudget:
     """Per-session and server-wide KV-cache budgets, in tokens and bytes.
 
     `held()` returns the tokens all sessions' caches hold now. A step is admitted with `reserve`
     (on the event loop, before the model work is queued) for the growth from its session's current
-    length to its peak; `release` is called once when that work item is over: done, failed, or
-    cancelled before it ran (server/service.py `_run`). Thread-safe. Bytes are tokens x
-    `bytes_per_token`.
+    length to its peak; as the work grows the session's cache, `settle` moves that growth from the
+    reservation to the cache (so a prefill in chunks never counts its finished chunks twice); and
+    `release` frees what is left once the work item is over: done, failed, or cancelled before it
+    ran (server/service.py `_submit`). Thread-safe. Bytes are tokens x `bytes_per_token`.
     """
 
     def __init__(self, limits: ServerLimits, bytes_per_token: int, held: Callable[[], int]) -> None:
@@ -86,34 +95,51 @@ class KVBudget:
     def bytes(self) -> int:
         return self.tokens * self.bytes_per_token
 
-    def reserve(self, current_tokens: int, peak_tokens: int) -> int:
-        """Admit a step that takes a session's cache from `current_tokens` to `peak_tokens` positions.
+    def reserve(self, current_tokens: int, peak_tokens: int, what: str = "step") -> Reservation:
+        """Admit a call (`what`: "step", "prompt") that takes a session's cache from
+        `current_tokens` to `peak_tokens` positions.
 
-        Returns the reserved growth (pass it to `release`).
+        Returns the reservation of the growth (pass it to `settle` and `release`).
         Raises:
             ServiceError: RESOURCE_EXHAUSTED naming the budget that would be broken; a server-wide
                 budget's refusal carries a retry hint (BUSY_RETRY_S), since closing sessions frees it.
         """
         lim, per_token = self.limits, self.bytes_per_token
-        _check("session KV tokens", peak_tokens, lim.max_session_kv_tokens, "tokens")
-        _check("session KV bytes", peak_tokens * per_token, lim.max_session_kv_bytes, "bytes")
+        _check("session KV tokens", what, peak_tokens, lim.max_session_kv_tokens, "tokens")
+        _check("session KV bytes", what, peak_tokens * per_token, lim.max_session_kv_bytes, "bytes")
         growth = max(peak_tokens - current_tokens, 0)
         with self._lock:
             total = self.held() + self._reserved + growth
-            _check("server KV tokens", total, lim.max_total_kv_tokens, "tokens", BUSY_RETRY_S)
-            _check("server KV bytes", total * per_token, lim.max_total_kv_bytes, "bytes", BUSY_RETRY_S)
+            _check("server KV tokens", what, total, lim.max_total_kv_tokens, "tokens", BUSY_RETRY_S)
+            _check("server KV bytes", what, total * per_token, lim.max_total_kv_bytes, "bytes", BUSY_RETRY_S)
             self._reserved += growth
-        return growth
+        return Reservation(growth)
 
-    def release(self, growth: int) -> None:
+    def settle(self, reservation: Reservation | None, record: Callable[[], int]) -> None:
+        """Run `record()`, which sets a session's held tokens (what `held()` sums) and returns by how
+        many they grew, under the budget's lock, and take that growth off `reservation` (None: a
+        call that reserved nothing): no moment counts those tokens both held and reserved."""
         with self._lock:
-            self._reserved -= growth
+            grown = record()
+            if reservation is not None:
+                moved = min(max(grown, 0), reservation.tokens)
+                reservation.tokens -= moved
+                self._reserved -= moved
+
+    def release(self, reservation: Reservation | None) -> None:
+        """Free what is left of `reservation`; releasing it again frees nothing."""
+        if reservation is None:
+            return
+        with self._lock:
+            self._reserved -= reservation.tokens
+            reservation.tokens = 0
 
 
-def _check(what: str, value: int, limit: int | None, unit: str, retry_after_s: float | None = None) -> None:
+def _check(budget: str, what: str, value: int, limit: int | None, unit: str, retry_after_s: float | None = None
+           ) -> None:
     if limit is not None and value > limit:
         raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"{what} budget exceeded: this step needs {value} {unit}, the limit is {limit}",
+                           f"{budget} budget exceeded: this {what} needs {value} {unit}, the limit is {limit}",
                            retry_after_s=retry_after_s)
 
 

@@ -51,7 +51,7 @@ from splitspec.v1 import verify_pb2 as pb
 from splitspec.v1 import verify_pb2_grpc as pb_grpc
 
 from .auth import BearerAuthInterceptor, TokenSet, client_identity, server_credentials
-from .limits import BUSY_RETRY_S, KVBudget, RateLimiter, kv_bytes_per_token, reply_feature_bytes
+from .limits import BUSY_RETRY_S, KVBudget, RateLimiter, Reservation, kv_bytes_per_token, reply_feature_bytes
 from .metrics import ServiceMetrics
 from .runner import TargetRunner, TargetSession
 from .validation import (ServiceError, check_context, check_draft_probs, check_forced, check_open, check_tree,
@@ -105,6 +105,7 @@ class _Step:
     forced: tuple
     arrived: float
     wire: FeatureRequest  # the encoding its reply's features travel in (`_wire_features`)
+    reservation: Reservation | None = None  # its KV admission (None: a replayed step), settled as it commits
     done: bool = False
     reply: pb.VerifyReply | None = None
     error: BaseException | None = None
@@ -226,13 +227,13 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         self._waiting: list[_Step] = []  # Verify steps not yet taken by a worker job
         self._waiting_lock = threading.Condition()  # guards _waiting; notified when a step joins it
 
-    async def _run(self, fn, *args, reserved: int = 0):
+    async def _run(self, fn, *args, reserved: Reservation | None = None):
         """Run model work on the worker; returns (result, perf_counter time the work started).
 
-        Takes ownership of `reserved` KV tokens: they are released exactly once, when the work item
-        is over, whichever way: done (after the work recorded its session's new cache length),
-        failed, cancelled while still queued (the caller's deadline passed or it went away: a
-        queued item is dropped, not run), or never queued (the worker is shut down).
+        Takes ownership of the `reserved` KV admission: what the work did not settle into its
+        session's cache is released when the work item is over, whichever way: done, failed,
+        cancelled while still queued (the caller's deadline passed or it went away: a queued item is
+        dropped, not run), or never queued (the worker is shut down).
 
         Raises:
             ServiceError: UNAVAILABLE when shutdown dropped the queued work.
@@ -240,7 +241,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         """
         return await self._wait(self._submit(fn, *args, reserved=reserved))
 
-    def _submit(self, fn, *args, reserved: int = 0) -> Future:
+    def _submit(self, fn, *args, reserved: Reservation | None = None) -> Future:
         """Queue `fn(*args)` on the worker (see `_run`); its future's result is (result, start time).
 
         Raises:
@@ -269,7 +270,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                                    "the server is shutting down and dropped this queued call; reconnect later") from None
             raise
 
-    def _work_over(self, future: Future, reserved: int) -> None:
+    def _work_over(self, future: Future, reserved: Reservation | None) -> None:
         """Done callback of a model work item (on the worker, or where it was cancelled)."""
         self.kv.release(reserved)
         self._queued.discard(future)
@@ -335,7 +336,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                                retry_after_s=BUSY_RETRY_S)
         while True:
             try:
-                reserved = self.kv.reserve(0, len(prompt))
+                reserved = self.kv.reserve(0, len(prompt), "prompt")
                 break
             except ServiceError as err:  # a server-wide KV budget: abandoned sessions' caches give way first
                 if err.retry_after_s is None or not self._reclaim_abandoned():
@@ -358,44 +359,47 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         log.debug("session opened: %d prompt tokens, %d sessions", len(prompt), len(self.sessions))
         return reply
 
-    async def _prefill(self, entry: _Entry, prompt, sampling, features, wire, reserved: int):
+    async def _prefill(self, entry: _Entry, prompt, sampling, features, wire, reserved: Reservation):
         """Prefill `prompt` as worker jobs of at most `limits.prefill_chunk` tokens (chunked
         prefill): verify steps of other sessions queued meanwhile run between the chunks, and a
         caller that goes away stops the prefill at the next chunk. The KV reservation covers the
-        whole prompt from the first chunk on; it is handed to the last chunk's job, or, when the
-        call ends earlier, released once the chunk running then is over. Returns `_run`'s result of
-        the last job, whose start time is replaced by the first job's."""
+        whole prompt from the first chunk on, each chunk settling its positions into the session's
+        count; it is handed to the last chunk's job, or, when the call ends earlier, released once
+        the chunk running then is over. Returns `_run`'s result of the last job, whose start time is
+        replaced by the first job's."""
         chunk = self.limits.prefill_chunk
         prefill = self.runner.start_prefill(prompt, features)
         first_started = None
         running: Future | None = None
         try:
             while chunk is not None and prefill.left > chunk:
-                running = self._submit(self._prefill_part, entry, prefill, chunk)
+                running = self._submit(self._prefill_part, entry, prefill, chunk, reserved)
                 _, started = await self._wait(running)
                 first_started = first_started if first_started is not None else started
-            handed, reserved = reserved, 0  # owned by the job from here (`_submit` releases it if it cannot queue)
-            running = self._submit(self._open_session, entry, prompt, sampling, features, wire, prefill, reserved=handed)
+            handed, reserved = reserved, None  # owned by the job from here (`_submit` releases it if it cannot queue)
+            running = self._submit(self._open_session, entry, prompt, sampling, features, wire, prefill, handed,
+                                   reserved=handed)
             result, started = await self._wait(running)
             return result, first_started if first_started is not None else started
         finally:
-            if reserved:  # not handed to a job: the call ended between or during earlier chunks
+            if reserved is not None:  # not handed to a job: the call ended between or during earlier chunks
                 if running is not None and not running.done():
                     running.add_done_callback(lambda _, n=reserved: self.kv.release(n))
                 else:
                     self.kv.release(reserved)
 
-    def _prefill_part(self, entry: _Entry, prefill, max_tokens: int) -> None:
-        """One chunk of a prefill on the worker thread; records the cache's length for the KV budget."""
+    def _prefill_part(self, entry: _Entry, prefill, max_tokens: int, reserved: Reservation) -> None:
+        """One chunk of a prefill on the worker thread; settles the cache's new length into the KV budget."""
         self.runner.prefill_chunk(prefill, max_tokens)
-        entry.kv_tokens = cache_length(prefill.cache)
+        self.kv.settle(reserved, functools.partial(_hold, entry, cache_length(prefill.cache)))
 
-    def _open_session(self, entry: _Entry, prompt, sampling, features, wire, prefill=None):
-        """Prefill (the rest of `prefill`) on the worker thread and draw the first token; records the
-        new cache's length for the KV budget. The prompt's features are quantized and encoded (as
+    def _open_session(self, entry: _Entry, prompt, sampling, features, wire, prefill=None,
+                      reserved: Reservation | None = None):
+        """Prefill (the rest of `prefill`) on the worker thread and draw the first token; settles the
+        new cache's length into the KV budget. The prompt's features are quantized and encoded (as
         `wire`) here too (a tensor op over the whole prompt)."""
         session, batch, forward_ms = self.runner.open(prompt, sampling, features, prefill=prefill)
-        entry.kv_tokens = cache_length(session.cache)
+        self.kv.settle(reserved, functools.partial(_hold, entry, cache_length(session.cache)))
         return session, batch.to_pb(wire), forward_ms
 
     def _wire_features(self, spec: FeatureRequest, positions: int) -> FeatureRequest:
@@ -447,9 +451,9 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                 draft_probs = await self._parse(check_draft_probs, request.draft_probs, tree,
                                                 vocab_size=self.runner.vocab_size, limits=self.limits)
             positions = step_positions(tree, forced)
+            wire = self._wire_features(entry.session.features, positions)  # may refuse: before any reservation
             reserved = self._reserve_step(entry, request.step, positions)
-            wire = self._wire_features(entry.session.features, positions)
-            item = _Step(entry, request.step, tree, draft_probs, forced, arrived, wire)
+            item = _Step(entry, request.step, tree, draft_probs, forced, arrived, wire, reserved)
             with self._waiting_lock:
                 self._waiting.append(item)
                 self._waiting_lock.notify_all()
@@ -465,10 +469,10 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
             self._fit_reply(reply, entry)
             return reply
 
-    def _reserve_step(self, entry: _Entry, step: int, new_tokens: int) -> int:
-        """KV admission of a step adding `new_tokens` positions at its peak (0 for a replayed step)."""
+    def _reserve_step(self, entry: _Entry, step: int, new_tokens: int) -> Reservation | None:
+        """KV admission of a step adding `new_tokens` positions at its peak (None for a replayed step)."""
         if step == entry.session.step:
-            return 0
+            return None
         current = cache_length(entry.session.cache)
         return self.kv.reserve(current, current + new_tokens)
 
@@ -593,8 +597,8 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
 
     def _record_step(self, item: _Step, out, started: float) -> pb.VerifyReply:
         entry, session = item.entry, item.entry.session
-        entry.kv_tokens = cache_length(session.cache)
         entry.step_tokens = -(-self.runner.step_bytes(session) // self.kv.bytes_per_token)
+        self.kv.settle(item.reservation, functools.partial(_hold, entry, cache_length(session.cache)))
         reply = pb.VerifyReply(
             step=item.step, accepted_nodes=out.accept.accepted_nodes, accepted_tokens=out.accepted_tokens,
             bonus_token=out.accept.bonus_token, bonus_recovered=out.accept.recovered,
@@ -669,6 +673,13 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         if stale:
             log.debug("evicted %d idle sessions", len(stale))
         return len(stale)
+
+
+def _hold(entry: _Entry, tokens: int) -> int:
+    """Record that `entry`'s cache holds `tokens` positions (under the KV budget's lock,
+    `KVBudget.settle`); returns by how many that grew."""
+    grown, entry.kv_tokens = tokens - entry.kv_tokens, tokens
+    return grown
 
 
 def _replayed(recorded: pb.VerifyReply, arrived: float) -> pb.VerifyReply:

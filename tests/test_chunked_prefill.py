@@ -140,9 +140,10 @@ def test_service_prefills_in_chunks_with_the_same_reply(stories, serve):
 
 
 class _GatedRunner:
-    """Logs the runner's model calls in order and holds the first prefill chunk at a gate."""
+    """Logs the runner's model calls in order and holds the `hold_at`-th prefill chunk (counted from
+    1; the chunks before it run) at a gate."""
 
-    def __init__(self, runner: TargetRunner) -> None:
+    def __init__(self, runner: TargetRunner, hold_at: int = 1) -> None:
         self.log: list[str] = []
         self.gate = threading.Event()
         self.entered = threading.Event()
@@ -150,7 +151,7 @@ class _GatedRunner:
 
         def gated_chunk(prefill, n):
             self.log.append("chunk")
-            if not self.entered.is_set():
+            if self.log.count("chunk") == hold_at:
                 self.entered.set()
                 assert self.gate.wait(30), "the test never opened the gate"
             return chunk(prefill, n)
@@ -187,6 +188,34 @@ def test_other_sessions_steps_run_between_the_chunks_of_a_long_prefill(stories, 
     # 13 positions in chunks of 2: six chunk jobs, the open job runs the last position
     assert spy.log.count("chunk") == 7
     assert spy.log.index("verify") == 1, spy.log  # right after the chunk that held the worker
+    channel.close()
+
+
+def test_a_chunked_prefill_counts_its_prompt_once_against_the_kv_budget(stories, serve):
+    """While a prompt is prefilled in chunks, the server-wide KV count holds it once (its finished
+    chunks in its cache, the rest reserved), so another session's step that fits the budget beside
+    it is admitted; the finished chunks were counted both held and reserved, and such steps were
+    refused with RESOURCE_EXHAUSTED (qa56-srv F4)."""
+    model, tokenizer, model_id = stories
+    fp = tokenizer_fingerprint(tokenizer)
+    runner = TargetRunner(model, tokenizer, model_id)
+    decoding_prompt, tree = [1, 40, 50], pb.DraftTree(tokens=[5, 6], parents=[-1, 0])
+    # room for both prompts and one step of the decoding session (its tree, forced rows, bonus), no more
+    budget = len(PROMPT) + len(decoding_prompt) + 3
+    server = serve(runner, ServerLimits(prefill_chunk=2, max_total_kv_tokens=budget))
+    channel = make_channel(server.address)
+    stub = pb_grpc.VerifyServiceStub(channel)
+    decoding = stub.OpenSession(_open_request(fp, decoding_prompt), timeout=30).session_id
+    spy = _GatedRunner(runner, hold_at=2)  # the first chunk (2 positions) is in the cache
+    long_open = stub.OpenSession.future(_open_request(fp, PROMPT), timeout=30)
+    assert spy.entered.wait(10)
+    assert server.servicer.kv.tokens == len(decoding_prompt) + len(PROMPT)  # not + 2
+    step = stub.Verify.future(pb.VerifyRequest(session_id=decoding, step=1, tree=tree), timeout=30)
+    time.sleep(0.3)  # admitted (or refused) on arrival, then queued behind the held chunk
+    spy.gate.set()
+    assert step.result().step == 1 and long_open.result().session_id
+    held = sum(kv.cache_length(e.session.cache) for e in server.servicer.sessions.values())
+    assert server.servicer.kv.tokens == held
     channel.close()
 
 

@@ -248,15 +248,29 @@ def test_kv_budget_and_bytes_per_token(stories):
     budget = KVBudget(ServerLimits(max_session_kv_tokens=10, max_total_kv_tokens=15, max_total_kv_bytes=None),
                       per_token, held=lambda: held[0])
     grown = budget.reserve(0, 10)
-    assert grown == 10 and budget.tokens == 10
+    assert grown.tokens == 10 and budget.tokens == 10
     with pytest.raises(ServiceError, match="session KV tokens") as err:
         budget.reserve(0, 11)
     assert err.value.code == C.RESOURCE_EXHAUSTED
-    with pytest.raises(ServiceError, match="server KV tokens"):
-        budget.reserve(4, 10)  # 10 reserved + 6 more > 15
+    with pytest.raises(ServiceError, match="server KV tokens budget exceeded: this prompt needs 16"):
+        budget.reserve(4, 10, "prompt")  # 10 reserved + 6 more > 15
+
+    def hold(tokens):  # a session's cache grows to `tokens` (what the service's `_hold` does)
+        grown_by, held[0] = tokens - held[0], tokens
+        return grown_by
+
+    budget.settle(grown, lambda: hold(6))  # a chunk of the prompt: held, no longer reserved, counted once
+    assert grown.tokens == 4 and budget.tokens == 10
+    budget.settle(grown, lambda: hold(12))  # grew past its reservation: held counts it, none reserved
+    assert grown.tokens == 0 and budget.tokens == 12
     held[0] = 10
     budget.release(grown)
+    budget.release(grown)  # a second release frees nothing
     assert budget.tokens == 10 and budget.bytes == 10 * per_token
+    other = budget.reserve(9, 10)
+    budget.release(other)
+    budget.release(other)
+    assert budget.tokens == 10
     bytes_budget = KVBudget(ServerLimits(max_session_kv_bytes=3 * per_token), per_token, held=lambda: 0)
     with pytest.raises(ServiceError, match="session KV bytes"):
         bytes_budget.reserve(0, 4)
@@ -620,6 +634,27 @@ def test_kv_budgets_count_fixed_shape_steps(stories, serve):
     assert held > 0 and runner.static.runs == 1
     per_token = server.servicer.kv.bytes_per_token
     assert server.servicer.kv.tokens == kv.cache_length(cache) + -(-held // per_token)
+    stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
+    assert server.servicer.kv.tokens == 0
+    channel.close()
+
+
+def test_a_verify_refused_for_its_reply_size_keeps_no_kv(spied, serve):
+    """A Verify whose reply's features could not fit the send limit is refused before model work and
+    leaves the KV budgets as they were: it was refused after its KV reservation was made and kept
+    that reservation for good, and 23 such refusals filled a 4 GiB budget (qa56-srv F1)."""
+    runner, spy, fp = spied
+    all_kv = FeatureRequest(kv_layers=tuple(range(runner.num_layers)), quantization=pb.QUANTIZATION_INT8)
+    server = serve(runner, ServerLimits(max_send_bytes=reply_feature_bytes(runner.config, all_kv, 8) + 1024))
+    channel, stub = _stub(server.address)
+    spec = pb.FeatureSpec(kv_layers=list(all_kv.kv_layers), quantization=pb.QUANTIZATION_INT8)
+    sid = _open(stub, fp, prompt=[7] * 4, features=spec).session_id
+    for _ in range(3):
+        request = pb.VerifyRequest(session_id=sid, step=1, forced_tokens=[7] * 40)
+        err = _refused(C.RESOURCE_EXHAUSTED, lambda: stub.Verify(request, timeout=30), spy)
+        assert "over the server's reply limit" in err.details()
+    assert server.servicer.kv.tokens == 4  # the session's prompt, nothing reserved
+    assert _verify(stub, sid, 1).step == 1  # the session goes on
     stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
     assert server.servicer.kv.tokens == 0
     channel.close()
