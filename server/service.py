@@ -24,6 +24,7 @@ one OpenMP pool per process, or every small kernel of a step pays a wake-up (tha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import ipaddress
@@ -226,6 +227,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         self._idle.set()
         self._waiting: list[_Step] = []  # Verify steps not yet taken by a worker job
         self._waiting_lock = threading.Condition()  # guards _waiting; notified when a step joins it
+        self._prefill_turn = asyncio.Lock()  # held by the prefill of several chunks running now (FIFO)
 
     async def _run(self, fn, *args, reserved: Reservation | None = None):
         """Run model work on the worker; returns (result, perf_counter time the work started).
@@ -362,24 +364,29 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
     async def _prefill(self, entry: _Entry, prompt, sampling, features, wire, reserved: Reservation):
         """Prefill `prompt` as worker jobs of at most `limits.prefill_chunk` tokens (chunked
         prefill): verify steps of other sessions queued meanwhile run between the chunks, and a
-        caller that goes away stops the prefill at the next chunk. The KV reservation covers the
-        whole prompt from the first chunk on, each chunk settling its positions into the session's
-        count; it is handed to the last chunk's job, or, when the call ends earlier, released once
-        the chunk running then is over. Returns `_run`'s result of the last job, whose start time is
-        replaced by the first job's."""
+        caller that goes away stops the prefill at the next chunk. Prompts of several chunks take
+        turns, oldest first (`_prefill_turn`), while a prompt of one chunk is queued at once like a
+        step: prefills whose chunks alternated all finished late together, and under load all of
+        them missed their deadlines (four 2,048-token prompts with time for two: none answered,
+        qa56-srv F3). The KV reservation covers the whole prompt from the first chunk on, each chunk
+        settling its positions into the session's count; it is handed to the last chunk's job, or,
+        when the call ends earlier, released once the chunk running then is over. Returns `_run`'s
+        result of the last job, whose start time is replaced by the first job's."""
         chunk = self.limits.prefill_chunk
         prefill = self.runner.start_prefill(prompt, features)
+        chunked = chunk is not None and prefill.left > chunk
         first_started = None
         running: Future | None = None
         try:
-            while chunk is not None and prefill.left > chunk:
-                running = self._submit(self._prefill_part, entry, prefill, chunk, reserved)
-                _, started = await self._wait(running)
-                first_started = first_started if first_started is not None else started
-            handed, reserved = reserved, None  # owned by the job from here (`_submit` releases it if it cannot queue)
-            running = self._submit(self._open_session, entry, prompt, sampling, features, wire, prefill, handed,
-                                   reserved=handed)
-            result, started = await self._wait(running)
+            async with self._prefill_turn if chunked else contextlib.nullcontext():
+                while chunked and prefill.left > chunk:
+                    running = self._submit(self._prefill_part, entry, prefill, chunk, reserved)
+                    _, started = await self._wait(running)
+                    first_started = first_started if first_started is not None else started
+                handed, reserved = reserved, None  # owned by the job from here (`_submit` releases it if it cannot queue)
+                running = self._submit(self._open_session, entry, prompt, sampling, features, wire, prefill, handed,
+                                       reserved=handed)
+                result, started = await self._wait(running)
             return result, first_started if first_started is not None else started
         finally:
             if reserved is not None:  # not handed to a job: the call ended between or during earlier chunks

@@ -219,6 +219,34 @@ def test_a_chunked_prefill_counts_its_prompt_once_against_the_kv_budget(stories,
     channel.close()
 
 
+def test_long_prompts_take_turns_and_a_short_one_goes_between(stories, serve):
+    """Prompts of several chunks are prefilled one after another, oldest first (their chunks
+    alternated, so all of them finished late together, and under load none met its deadline:
+    qa56-srv F3), while a prompt of one chunk is prefilled between two chunks like a step."""
+    model, tokenizer, model_id = stories
+    fp = tokenizer_fingerprint(tokenizer)
+    runner = TargetRunner(model, tokenizer, model_id)
+    server = serve(runner, ServerLimits(prefill_chunk=2))
+    channel = make_channel(server.address)
+    stub = pb_grpc.VerifyServiceStub(channel)
+    spy = _GatedRunner(runner)
+    order: list[int] = []  # the prompt's first token of each chunk and each open, in the order run
+    chunk, open_ = runner.prefill_chunk, runner.open
+    runner.prefill_chunk = lambda prefill, n: (order.append(prefill.prompt_ids[0]), chunk(prefill, n))[1]
+    runner.open = lambda prompt, *a, **kw: (order.append(prompt[0]), open_(prompt, *a, **kw))[1]
+    first = stub.OpenSession.future(_open_request(fp, [1] + PROMPT[1:]), timeout=30)
+    assert spy.entered.wait(10)  # the first long prompt holds the worker in its first chunk
+    second = stub.OpenSession.future(_open_request(fp, [2] + PROMPT[1:]), timeout=30)
+    time.sleep(0.2)
+    short = stub.OpenSession.future(_open_request(fp, [3, 40]), timeout=30)
+    time.sleep(0.2)
+    spy.gate.set()
+    assert first.result().session_id and second.result().session_id and short.result().session_id
+    runs = [token for i, token in enumerate(order) if i == 0 or token != order[i - 1]]
+    assert runs == [1, 3, 1, 2], order  # the short prompt after the running chunk; the long ones in turn
+    channel.close()
+
+
 def test_a_departed_callers_prefill_stops_at_the_next_chunk(stories, serve):
     """An OpenSession whose deadline passes during a chunk runs no further chunk, leaves no session,
     and its KV reservation is released once the running chunk is over."""
