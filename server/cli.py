@@ -68,7 +68,7 @@ def _add_service_args(p: argparse.ArgumentParser) -> None:
                         "worker gets free); 1 = one step per forward")
     p.add_argument("--batch-window-ms", type=float, default=d.batch_window_ms,
                    help="a free model worker waits up to this long for the next steps of the other sessions due "
-                        "inside it (by each session's measured turnaround; a lone session never waits); 0 = off")
+                        "inside it (by each session's measured turnaround; a lone session never waits); 0 = off, at most 1000")
     p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
                    help="prefill prompts in forwards of at most this many tokens, scoring the verify steps of other "
                         "sessions queued meanwhile between them (chunked prefill); 0 = one forward per prompt")

@@ -44,7 +44,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from splitspec.shared.compute import compute_thread
-from splitspec.shared.config import ServerLimits, ServerSecurity
+from splitspec.shared.config import MAX_BATCH_WINDOW_MS, ServerLimits, ServerSecurity
 from splitspec.shared.features import FeatureRequest
 from splitspec.shared.kv import cache_length
 from splitspec.shared.models import eos_token_ids, tokenizer_fingerprint
@@ -70,7 +70,7 @@ MAX_BATCH_PADDED_TOKENS = 16384
 _DROP_NOTICE_S = 0.2  # shutdown: the longest wait, after the grace period, for dropped calls to be told
 # the batching window (ServerLimits.batch_window_ms) waits only for sessions answered within this
 # long whose next step is due inside the window by their measured turnaround
-ACTIVE_SESSION_S = 1.0
+ACTIVE_SESSION_S = MAX_BATCH_WINDOW_MS / 1e3
 RECLAIM_IDLE_S = 30.0  # a full server drops a session idle this long (3 default step deadlines)
 REPLY_HEADROOM = 1024  # bytes of a reply beside its features (session id, tokens: <= 64 nodes, timings)
 TURNAROUND_EMA = 0.3  # weight of the newest reply-to-next-step gap in a session's turnaround estimate
@@ -533,12 +533,15 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         while len(self._waiting) < self.limits.max_batch:
             now = time.monotonic()
             waiting = {id(s.entry) for s in self._waiting}
-            due = any(e.session is not None and not e.closed and id(e) not in waiting and e.replied_at is not None
-                      and e.turnaround_s is not None and now - e.replied_at <= ACTIVE_SESSION_S
-                      and e.replied_at + e.turnaround_s <= deadline for e in list(self.sessions.values()))
+            due = [e.replied_at for e in list(self.sessions.values())
+                   if e.session is not None and not e.closed and id(e) not in waiting and e.replied_at is not None
+                   and e.turnaround_s is not None and now - e.replied_at <= ACTIVE_SESSION_S
+                   and e.replied_at + e.turnaround_s <= deadline]
             if not due or now >= deadline:
                 return
-            self._waiting_lock.wait(deadline - now)
+            # until the window ends or the first due session stops counting as active (a client that
+            # went quiet held every waiting step for the whole window: qa56-srv F5)
+            self._waiting_lock.wait(min(deadline, min(due) + ACTIVE_SESSION_S) - now)
 
     @staticmethod
     def _padded_tokens(batch: list[_Step]) -> int:

@@ -16,6 +16,9 @@ MIN_TOKEN_CHARS = 16
 # server's `min_ping_interval_s` must not exceed it, or idle clients get GOAWAY too_many_pings
 CLIENT_KEEPALIVE_TIME_S = 30.0
 _TOKEN_RE = re.compile(r"[\x21-\x7e]+")  # printable ASCII without spaces: a valid metadata value
+# the longest batching window (ServerLimits.batch_window_ms): the window waits only for sessions
+# answered within this long (server/service.py ACTIVE_SESSION_S), so a longer one gathers nothing more
+MAX_BATCH_WINDOW_MS = 1000.0
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,10 @@ class ServerLimits:
             zero_ok = f.name in ("max_ping_strikes", "batch_window_ms")
             if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
                 raise ValueError(f"server limit {f.name} must be {'>= 0' if zero_ok else '> 0'}, got {value}")
+        if self.batch_window_ms > MAX_BATCH_WINDOW_MS:
+            raise ValueError(f"server limit batch_window_ms must be <= {MAX_BATCH_WINDOW_MS:g} (a session counts as "
+                             f"active that long after its reply; a longer window gathers no more), got "
+                             f"{self.batch_window_ms}")
         if self.min_ping_interval_s > CLIENT_KEEPALIVE_TIME_S:
             raise ValueError(f"server limit min_ping_interval_s must be <= {CLIENT_KEEPALIVE_TIME_S:g} (the splitspec "
                              f"client pings that often; each ping would be a strike: GOAWAY too_many_pings), got "
