@@ -130,6 +130,9 @@ def decode(msg: pb.Tensor, max_numel: int | None = None, *, as_dtype: torch.dtyp
     quantization = msg.quantization or pb.QUANTIZATION_NONE
     if quantization not in (pb.QUANTIZATION_NONE, pb.QUANTIZATION_INT8, pb.QUANTIZATION_FP8_E4M3):
         raise CodecError(f"unknown quantization {msg.quantization}")
+    if quantization != pb.QUANTIZATION_NONE and (not dtype.is_floating_point or not shape):
+        # before the size check, which would name the storage dtype the sender never chose
+        raise CodecError("a quantized tensor must decode to a float dtype with >= 1 axis")
     storage = dtype if quantization == pb.QUANTIZATION_NONE else (
         torch.int8 if quantization == pb.QUANTIZATION_INT8 else torch.float8_e4m3fn)
     itemsize = torch.empty((), dtype=storage).element_size()
@@ -143,8 +146,6 @@ def decode(msg: pb.Tensor, max_numel: int | None = None, *, as_dtype: torch.dtyp
         if msg.scales:
             raise CodecError("scales given for an unquantized tensor")
         return values if as_dtype is None else values.to(as_dtype)
-    if not dtype.is_floating_point or not shape:
-        raise CodecError("a quantized tensor must decode to a float dtype with >= 1 axis")
     rows = math.prod(shape[:-1])  # <= nonzero, so bounded too; a last axis of 0 still has its rows
     raw_scales = _inflate(msg.scales, msg.codec, rows * 4)
     if len(raw_scales) != rows * 4:

@@ -75,6 +75,8 @@ def _good() -> pb.Tensor:
     (lambda m: setattr(m, "quantization", 42), "unknown quantization"),
     (lambda m: setattr(m, "codec", 7), "unknown codec"),
     (lambda m: setattr(m, "dtype", pb.DTYPE_INT32), "float dtype"),
+    # sized as int32 values: the size check named int8 storage the sender never chose (qa56-srv F6)
+    (lambda m: (setattr(m, "dtype", pb.DTYPE_INT32), setattr(m, "data", bytes(4 * 8 * 4))), "float dtype"),
 ])
 def test_bad_tensors_are_refused(mutate, message):
     msg = _good()
