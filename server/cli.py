@@ -14,8 +14,9 @@ from functools import partial
 from pathlib import Path
 
 from splitspec.shared.compute import loaded_on_compute_thread
-from splitspec.shared.config import (CLIENT_KEEPALIVE_TIME_S, ServerLimits, ServerSecurity, at_least, parse_size,
-                                     port_number, read_tokens, tokens_from_env)
+from splitspec.shared.config import (CALLS_PER_SESSION, CALLS_SPARE, CLIENT_KEEPALIVE_TIME_S, ServerLimits,
+                                     ServerSecurity, at_least, parse_size, port_number, read_tokens,
+                                     tokens_from_env)
 from splitspec.shared.drafters.spec import DrafterSpec
 from splitspec.shared.models import DEFAULT_TARGET, check_device, load_model
 
@@ -55,6 +56,9 @@ def _add_service_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-reply-bytes", type=parse_size, default=d.max_send_bytes, help="largest reply message")
     p.add_argument("--max-streams", type=int, default=d.max_concurrent_streams,
                    help="concurrent calls per client connection (HTTP/2 streams; more wait on the client)")
+    p.add_argument("--max-calls", type=int, default=None,
+                   help="calls in flight over all connections; more are refused with RESOURCE_EXHAUSTED "
+                        f"(default: {CALLS_PER_SESSION} per --max-sessions + {CALLS_SPARE})")
     p.add_argument("--max-session-kv-tokens", type=int, default=None, help="KV budget per session, tokens")
     p.add_argument("--max-session-kv-bytes", type=parse_size, default=None, help="KV budget per session, bytes")
     p.add_argument("--max-kv-tokens", type=int, default=None, help="KV budget over all sessions, tokens")
@@ -121,7 +125,7 @@ def server_limits(args) -> ServerLimits:
     return ServerLimits(max_sessions=args.max_sessions, max_tree_nodes=args.max_tree_nodes,
                         max_context=args.max_context, session_idle_ttl_s=args.session_ttl,
                         max_receive_bytes=args.max_request_bytes, max_send_bytes=args.max_reply_bytes,
-                        max_concurrent_streams=args.max_streams,
+                        max_concurrent_streams=args.max_streams, max_calls=args.max_calls,
                         max_session_kv_tokens=args.max_session_kv_tokens,
                         max_session_kv_bytes=args.max_session_kv_bytes, max_total_kv_tokens=args.max_kv_tokens,
                         max_total_kv_bytes=args.max_kv_bytes, rate_limit_per_s=args.rate_limit or None,

@@ -800,7 +800,8 @@ async def create_server(runner: TargetRunner, address: str = "127.0.0.1:0",
     if security.tokens:
         interceptors.append(BearerAuthInterceptor(TokenSet(security.tokens),
                                                   on_refusal=lambda method: metrics.refused(method, "UNAUTHENTICATED")))
-    server = grpc.aio.server(options=server_options(limits), interceptors=interceptors)
+    server = grpc.aio.server(options=server_options(limits), interceptors=interceptors,
+                             maximum_concurrent_rpcs=limits.call_limit)
     servicer = VerifyServicer(runner, limits, metrics=metrics, authenticated=bool(security.tokens), worker=worker)
     servicer.auth = interceptors[0] if interceptors else None  # its TokenSet is swapped on SIGHUP (`serve`)
     server.add_generic_rpc_handlers((service_handlers(servicer),))

@@ -16,6 +16,10 @@ MIN_TOKEN_CHARS = 16
 # server's `min_ping_interval_s` must not exceed it, or idle clients get GOAWAY too_many_pings
 CLIENT_KEEPALIVE_TIME_S = 30.0
 _TOKEN_RE = re.compile(r"[\x21-\x7e]+")  # printable ASCII without spaces: a valid metadata value
+# the default server-wide cap on calls in flight (ServerLimits.call_limit): a splitspec client keeps
+# at most 3 calls open per session (a step, a health probe, a close), plus room for opens and probes
+CALLS_PER_SESSION = 4
+CALLS_SPARE = 16
 # the longest batching window (ServerLimits.batch_window_ms): the window waits only for sessions
 # answered within this long (server/service.py ACTIVE_SESSION_S), so a longer one gathers nothing more
 MAX_BATCH_WINDOW_MS = 1000.0
@@ -45,6 +49,11 @@ class ServerLimits:
     # health probe, a close) and further calls wait on the client, so 32 bounds what one connection
     # can make the server buffer (32 x max_receive_bytes) without slowing any real client
     max_concurrent_streams: int = 32
+    # calls in flight over all connections, beyond which gRPC refuses new ones (RESOURCE_EXHAUSTED):
+    # each may hold a request of up to max_receive_bytes, and the per-connection cap above does not
+    # bound many connections (8 x 32 pending calls took a server from 1.5 to 8 GB, session 56);
+    # None = `call_limit`'s default, CALLS_PER_SESSION per session plus CALLS_SPARE
+    max_calls: int | None = None
     max_send_bytes: int = 64 * 2**20  # per reply message
     max_session_kv_tokens: int | None = None
     max_session_kv_bytes: int | None = None
@@ -66,6 +75,11 @@ class ServerLimits:
     # a prompt is prefilled in forwards of at most this many tokens, and the other sessions' verify
     # steps queued meanwhile are scored between them (chunked prefill); None = one forward
     prefill_chunk: int | None = 512
+
+    @property
+    def call_limit(self) -> int:
+        """Calls in flight over all connections that the server serves (`max_calls` or its default)."""
+        return self.max_calls if self.max_calls is not None else CALLS_PER_SESSION * self.max_sessions + CALLS_SPARE
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -359,6 +359,34 @@ def test_concurrent_streams_per_connection_capped(spied, serve):
     channel.close()
 
 
+def test_calls_in_flight_over_all_connections_capped(spied, serve):
+    """Beyond `max_calls` calls in flight over all connections a new call is refused at once with
+    RESOURCE_EXHAUSTED: each may hold a 4 MiB request, and the per-connection stream cap let 8
+    connections x 32 pending calls take a server from 1.5 to 8 GB (session 56, qa56-srv F2)."""
+    runner, spy, fp = spied
+    assert ServerLimits().call_limit == 4 * ServerLimits().max_sessions + 16
+    server = serve(runner, ServerLimits(max_calls=2))
+    servicer = server.servicer
+    stubs = [_stub(server.address) for _ in range(3)]  # one connection each
+    for _, stub in stubs:
+        stub.Info(pb.InfoRequest(), timeout=10)
+    gate = threading.Event()
+    blocker = servicer.worker.submit(gate.wait, 30)
+    try:
+        pending = [stub.OpenSession.future(_open_request(fp, 4), timeout=30) for _, stub in stubs[:2]]
+        _wait_until(lambda: servicer._inflight >= 2, 10, "two calls reach the servicer")
+        with pytest.raises(grpc.RpcError) as err:
+            stubs[2][1].OpenSession(_open_request(fp, 4), timeout=10)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        gate.set()
+    blocker.result(timeout=10)
+    assert all(call.result(timeout=30).session_id for call in pending)
+    assert stubs[2][1].OpenSession(_open_request(fp, 4), timeout=30).session_id  # room again
+    for channel, _ in stubs:
+        channel.close()
+
+
 def test_refusal_log_aggregates_a_flood(caplog):
     now = [0.0]
     logger = logging.getLogger("splitspec.test.refusals")
