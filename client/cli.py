@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from functools import partial
 
 import grpc
@@ -95,7 +96,11 @@ def add_client_args(p: argparse.ArgumentParser, chat: bool = False) -> None:
         p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
         p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
+    if chat:
+        p.add_argument("--seed", type=int, default=None,
+                       help="the seed of every answer (reproducible); default: a random one per answer")
+    else:
+        p.add_argument("--seed", type=int, default=0)
     p.add_argument("--contextual-penalty", type=float, default=1.0,
                    help="TokenSwift's contextual penalty (e.g. 1.2; 1 = off): the target's logits of the tokens among "
                         "the last --penalty-window tokens are divided (positive) or multiplied (negative) by it. This "
@@ -152,8 +157,8 @@ def client_config(args):
                                 adaptive=args.adaptive_tree)
     return ClientConfig(
         target=args.target, drafter=drafter, server=None if args.local else args.server,
-        sampling=SamplingParams(temperature, top_p, args.top_k, args.seed, args.contextual_penalty,
-                                args.penalty_window),
+        sampling=SamplingParams(temperature, top_p, args.top_k, 0 if args.seed is None else args.seed,
+                                args.contextual_penalty, args.penalty_window),
         offline=OfflinePolicy(enabled=not args.no_offline, on_reconnect=args.on_reconnect),
         device=args.device, dtype=args.dtype, timeout_s=args.timeout, step_timeout_s=args.step_timeout,
         connect_timeout_s=args.connect_timeout, busy_wait_s=args.busy_wait, auth_token_file=args.auth_token_file, tls_ca=args.tls_ca,
@@ -161,11 +166,30 @@ def client_config(args):
 
 
 def _encode(setup, args, messages: list[dict[str, str]]):
-    """Prompt ids and, when the messages hold <private> spans, the PrivacyGuard for them."""
+    """Prompt ids and, when the messages hold <private> spans, the PrivacyGuard for them.
+
+    Raises ValueError: a message that is not valid UTF-8 text (`utf8_text`), or private tags that
+    do not pair up."""
+    for message in messages:
+        utf8_text(message["content"], f"the {message['role']} message")
     ids, mask = encode_private_chat(setup.tokenizer, messages)
     guard = PrivacyGuard(tuple(ids), tuple(mask), placeholder_token(setup.tokenizer), args.private_ngram,
                          decode=setup.tokenizer.decode)
     return ids, (guard if guard.active else None)
+
+
+def utf8_text(text: str | None, what: str) -> str | None:
+    """`text` as given, checked to be valid UTF-8: bytes that are not (in argv or on stdin) reach
+    Python as lone surrogates, which the tokenizer refused with a TypeError traceback.
+
+    Raises ValueError naming `what` and the first bad byte."""
+    try:
+        (text or "").encode("utf-8")
+    except UnicodeEncodeError as err:
+        code = ord(text[err.start])
+        bad = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        raise ValueError(f"{what} is not valid UTF-8 text ({bad} at character {err.start + 1})") from None
+    return text
 
 
 def _messages(args, history: list[dict[str, str]]) -> list[dict[str, str]]:
@@ -184,6 +208,8 @@ def _say_waiting(message: str) -> None:
 
 
 def cmd_generate(args, local_verifier=None) -> None:
+    utf8_text(args.prompt, "--prompt")  # before the models load
+    utf8_text(args.system, "--system")
     setup = _setup(args, local_verifier)
     prompt_ids, privacy = _encode(setup, args, _messages(args, [{"role": "user", "content": args.prompt}]))
     stream = AnswerTokens() if args.json else TextStream(setup.tokenizer)
@@ -219,7 +245,10 @@ def _chat_turn(setup, args, history_db, conversation: int, line: str, prompt_ids
     answer = history_db.add_message(conversation, "assistant", "", complete=False)
     writer = history_db.answer_writer(answer)
     print("bot> ", end="", flush=True)
-    gen = setup.decoder.generate(prompt_ids, args.max_new_tokens, setup.sampling, privacy=privacy,
+    sampling = setup.sampling
+    if args.seed is None and not sampling.greedy:  # each answer its own seed: a fixed default gave every
+        sampling = replace(sampling, seed=secrets.randbits(63))  # run the same answer to the same question
+    gen = setup.decoder.generate(prompt_ids, args.max_new_tokens, sampling, privacy=privacy,
                                  on_event=lambda e: (writer(e), stream(e)))
     text = tag_private_answer(setup.tokenizer, gen.tokens, gen.sources)
     history_db.finish(answer, text)
@@ -227,8 +256,9 @@ def _chat_turn(setup, args, history_db, conversation: int, line: str, prompt_ids
 
 
 def cmd_chat(args, local_verifier=None) -> None:
-    setup = _setup(args, local_verifier)
+    utf8_text(args.system, "--system")  # these two before the models load
     history_db = ChatHistory(args.history or default_path())
+    setup = _setup(args, local_verifier)
     conversation = history_db.last_conversation() if args.resume else None
     history: list[dict[str, str]] = []
     if conversation is not None:
@@ -237,10 +267,10 @@ def cmd_chat(args, local_verifier=None) -> None:
             if m["role"] == "assistant" and not m["complete"] and not content:
                 continue  # a turn that failed before its first token: no answer to replay
             history.append({"role": m["role"], "content": content})
-    else:
-        conversation = history_db.new_conversation(setup.target, setup.decoder.drafter.name)
     sampling = setup.sampling
-    print(f"splitspec chat ({setup.mode}, drafter {setup.decoder.drafter.name}, {sampling.describe()}, history {history_db.path}, "
+    seeded = "" if sampling.greedy or args.seed is None else f", seed {args.seed}"
+    print(f"splitspec chat ({setup.mode}, drafter {setup.decoder.drafter.name}, {sampling.describe()}{seeded}, "
+          f"history {history_db.path}, "
           f"{len(history)} earlier messages). Mark private text <private>like this</private>. /reset /stats /quit")
     last_stats = None
     while True:
@@ -254,7 +284,7 @@ def cmd_chat(args, local_verifier=None) -> None:
             break
         if line == "/reset":
             history.clear()
-            conversation = history_db.new_conversation(setup.target, setup.decoder.drafter.name)
+            conversation = None  # made at the next message: an empty one would be what --resume finds
             last_stats = None
             print("(new conversation)")
             continue
@@ -273,6 +303,8 @@ def cmd_chat(args, local_verifier=None) -> None:
             print(f"({err})")
             continue
         stream = TextStream(setup.tokenizer)
+        if conversation is None:
+            conversation = history_db.new_conversation(setup.target, setup.decoder.drafter.name)
         try:
             gen, text = _chat_turn(setup, args, history_db, conversation, line, prompt_ids, privacy, stream)
         except (ValueError, LinkDown, grpc.RpcError) as err:  # this turn fails; the conversation goes on

@@ -35,15 +35,25 @@ def default_path() -> Path:
 
 
 class ChatHistory:
-    """Raises sqlite3.Error when the file cannot be opened or written."""
+    """The chat history in one SQLite file (conversations, messages, each answer's token rows).
+
+    Raises:
+        ValueError: `path` cannot be opened as a history (a folder, a file that is not SQLite, a
+            folder that cannot be made), named.
+        sqlite3.Error: a later write fails.
+    """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(self.path, check_same_thread=False)  # writes: one `with self.db` each
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")
-        self.db.executescript(SCHEMA)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.db = sqlite3.connect(self.path, check_same_thread=False)  # writes: one `with self.db` each
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=NORMAL")
+            self.db.executescript(SCHEMA)
+        except (sqlite3.Error, OSError) as err:
+            what = "a folder" if self.path.is_dir() else f"not a usable SQLite database ({err})"
+            raise ValueError(f"chat history {self.path}: {what}") from None
 
     def close(self) -> None:
         self.db.close()
@@ -70,7 +80,9 @@ class ChatHistory:
         return self.db.execute("SELECT 1 FROM conversations WHERE id = ?", (conversation,)).fetchone() is not None
 
     def last_conversation(self) -> int | None:
-        row = self.db.execute("SELECT max(id) FROM conversations").fetchone()
+        """The newest conversation that holds a message (`chat --resume`), or None: one opened and
+        left empty (a chat quit before its first line, a chat page's "new") is not resumed."""
+        row = self.db.execute("SELECT max(conversation) FROM messages").fetchone()
         return row[0]
 
     def add_message(self, conversation: int, role: str, content: str, complete: bool = True) -> int:

@@ -102,8 +102,15 @@ def test_chat_commands_and_history(stories_path, monkeypatch, capsys, tmp_path):
     assert messages[0]["content"] == "Bye <private>zq</private>"
     assert len(history.tokens(messages[1]["id"])) == 8  # the answer's tokens, written as they committed
     monkeypatch.setattr("sys.stdin", io.StringIO("/quit\n"))
+    code, out, _ = _run(capsys, args)  # a chat opened and left: no empty conversation to resume (QA 56, F3)
+    assert code == 0
+    monkeypatch.setattr("sys.stdin", io.StringIO("/reset\n/quit\n"))
     code, out, _ = _run(capsys, args + ["--resume"])
     assert code == 0 and "2 earlier messages" in out
+    monkeypatch.setattr("sys.stdin", io.StringIO("/quit\n"))
+    code, out, _ = _run(capsys, args + ["--resume"])  # nor after a /reset right before quitting
+    assert code == 0 and "2 earlier messages" in out
+    assert len(history.conversations()) == 2  # the two that hold messages: none left empty
     # a turn that failed before its first token left an empty, incomplete answer: not replayed
     failed = history.new_conversation(str(stories_path), "ngram")
     history.add_message(failed, "user", "Are you there?")
@@ -259,6 +266,59 @@ def test_chat_samples_by_default_and_is_greedy_on_request(stories_path, tmp_path
     assert chat_sampling_defaults(str(tmp_path)) == (0.6, 0.95)
     (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False}))
     assert chat_sampling_defaults(str(tmp_path))[0] == 0.0
+
+
+def test_chat_draws_a_seed_per_answer_unless_one_is_given(stories_path, monkeypatch, capsys, tmp_path):
+    """chat samples, and without --seed each answer draws its own seed: a fixed default seed gave
+    the same answer to the same question in every run (QA 56, finding 8); --seed S repeats them."""
+    from splitspec.client import cli
+    from splitspec.client.history import ChatHistory
+
+    drawn = []
+    monkeypatch.setattr(cli.secrets, "randbits", lambda bits: drawn.append(bits) or 1000 + len(drawn))
+    base = ["chat", "--local", "--target", str(stories_path), "--drafter", "ngram", "--max-new-tokens", "12"]
+    answers = {}
+    for name, flags in (("random", []), ("seed 5", ["--seed", "5"]), ("seed 5 again", ["--seed", "5"])):
+        monkeypatch.setattr("sys.stdin", io.StringIO("Once upon a time\n/reset\nOnce upon a time\n/quit\n"))
+        db = tmp_path / f"{name}.sqlite3"
+        code, out, _ = _run(capsys, base + flags + ["--history", str(db)])
+        assert code == 0 and out.count("bot>") == 2
+        history = ChatHistory(db)
+        answers[name] = [history.messages(c["id"])[1]["content"] for c in history.conversations()]
+        history.close()
+        if name == "random":
+            assert drawn == [63, 63]  # one seed per answer
+            assert ", seed " not in out.split("history")[0]
+        else:
+            assert ", seed 5," in out
+    assert len(drawn) == 2  # none drawn with --seed
+    assert answers["seed 5"] == answers["seed 5 again"] and answers["seed 5"][0] == answers["seed 5"][1]
+
+
+def test_text_that_is_not_utf8_is_refused_with_one_line(stories_path, monkeypatch, capsys, tmp_path):
+    """Bytes that are not UTF-8 (argv and stdin hand them over as lone surrogates) are refused with a
+    one-line error naming the byte, before the models load for --prompt and --system, and as a
+    skipped turn in chat; the tokenizer's TypeError traceback ended generate and the whole chat
+    (QA 56, finding 2)."""
+    code, _, err = _run(capsys, ["generate", "--local", "--target", "/no/such/model", "--prompt", "Say \udcff hi"])
+    assert code == 2 and "--prompt is not valid UTF-8 text (byte 0xff at character 5)" in err
+    code, _, err = _run(capsys, ["chat", "--local", "--target", "/no/such/model", "--system", "Be \udcfe",
+                                 "--history", str(tmp_path / "h.sqlite3")])
+    assert code == 2 and "--system is not valid UTF-8 text (byte 0xfe at character 4)" in err
+    monkeypatch.setattr("sys.stdin", io.StringIO("Say \udcff hi\nOnce upon a time\n/quit\n"))
+    code, out, _ = _run(capsys, ["chat", "--local", "--target", str(stories_path), "--drafter", "ngram",
+                                 "--max-new-tokens", "4", "--history", str(tmp_path / "h.sqlite3")])
+    assert code == 0 and "(the user message is not valid UTF-8 text (byte 0xff at character 5))" in out
+    assert out.count("bot>") == 1  # the next line is answered
+
+
+def test_a_history_that_cannot_be_opened_is_one_line(monkeypatch, capsys, tmp_path):
+    """--history naming a folder or a file that is not SQLite: one line naming it, before the
+    models load (was: sqlite3's traceback after they loaded; QA 56, finding 7)."""
+    (tmp_path / "notes.txt").write_text("not a database\n" * 100)
+    for path, what in ((tmp_path, "a folder"), (tmp_path / "notes.txt", "not a usable SQLite database")):
+        code, _, err = _run(capsys, ["chat", "--local", "--target", "/no/such/model", "--history", str(path)])
+        assert code == 2 and f"chat history {path}: {what}" in err, err
 
 
 def test_missing_shipped_checkpoint_names_what_ships_and_how_to_train(capsys):
