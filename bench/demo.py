@@ -54,7 +54,9 @@ def _demo(args, prompts: list[dict]) -> None:
             print(f"=== {prompt['dataset']} / {prompt['category']} / {prompt['id']}")
             print(f">>> {prompt['text'].strip()[:300]}\n")
             ids = encode_chat(setup.tokenizer, [{"role": "user", "content": prompt["text"]}])
-            gen = setup.decoder.generate(ids, args.max_new_tokens, setup.sampling, on_event=TextStream(setup.tokenizer))
+            stream = TextStream(setup.tokenizer)
+            gen = setup.decoder.generate(ids, args.max_new_tokens, setup.sampling, on_event=stream)
+            stream.finish()
             print(f"\n{gen.stats.summary()}\n", flush=True)
         setup.decoder.verifier.close()
     finally:

@@ -223,6 +223,9 @@ def cmd_generate(args, local_verifier=None) -> None:
                               "text": setup.tokenizer.decode(stream.ids, skip_special_tokens=True),
                               "complete": False, "error": f"{type(err).__name__}: {err}"}))
         raise
+    finally:
+        if not args.json:
+            stream.finish()
     text = setup.tokenizer.decode(gen.tokens, skip_special_tokens=True)
     if args.json:
         print(json.dumps({"mode": setup.mode, "drafter": setup.decoder.drafter.name, "prompt_tokens": len(prompt_ids),
@@ -248,8 +251,11 @@ def _chat_turn(setup, args, history_db, conversation: int, line: str, prompt_ids
     sampling = setup.sampling
     if args.seed is None and not sampling.greedy:  # each answer its own seed: a fixed default gave every
         sampling = replace(sampling, seed=secrets.randbits(63))  # run the same answer to the same question
-    gen = setup.decoder.generate(prompt_ids, args.max_new_tokens, sampling, privacy=privacy,
-                                 on_event=lambda e: (writer(e), stream(e)))
+    try:
+        gen = setup.decoder.generate(prompt_ids, args.max_new_tokens, sampling, privacy=privacy,
+                                     on_event=lambda e: (writer(e), stream(e)))
+    finally:
+        stream.finish()
     text = tag_private_answer(setup.tokenizer, gen.tokens, gen.sources)
     history_db.finish(answer, text)
     return gen, text

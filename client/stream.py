@@ -5,11 +5,16 @@ import sys
 
 
 class TextStream:
-    """Prints the answer as stream events arrive (client/loop.py StreamEvent). Offline text (written
-    by the drafter alone while the link is down) is dim until the target confirms it; private text
-    (reproduced from a <private> span on this device) is underlined; when the target rewrites offline
-    text, a marker shows where and the corrected text follows. Whole-answer decoding keeps
-    multi-byte characters intact."""
+    """Prints the answer as stream events arrive (client/loop.py StreamEvent).
+
+    On a terminal, offline text (written by the drafter alone while the link is down) is dim until
+    the target confirms it; private text (reproduced from a <private> span on this device) is
+    underlined; when the target rewrites offline text, a marker shows where and the corrected text
+    follows. To a file or a pipe, where nothing can be dimmed or taken back, offline text is held
+    until the target confirms it (or it is kept, or the answer ends with it) and withdrawn text is
+    never written, so the output is the answer (QA 56: a retraction left the withdrawn text, and its
+    marker, in a redirected answer); call `finish` when the answer is over. Whole-answer decoding
+    keeps multi-byte characters intact."""
 
     STYLE = {"offline": "\x1b[2m", "private": "\x1b[4m"}
 
@@ -17,25 +22,46 @@ class TextStream:
         self.tokenizer, self.out = tokenizer, out
         self.color = hasattr(out, "isatty") and out.isatty()
         self.ids: list[int] = []
+        self.offline: list[bool] = []  # per token: written offline and not yet confirmed
         self.printed = 0  # characters of the decoded answer already written
 
     def __call__(self, event) -> None:
         if event.kind == "retract":
-            del self.ids[event.start:]
-            self.printed = len(self._text())
-            self.out.write(" [link back: the target rewrote the offline text from here] ")
-        elif event.kind == "kept":
-            self.out.write(" [link back: offline text kept] ")
+            del self.ids[event.start:], self.offline[event.start:]
+            if self.color:
+                self.printed = len(self._text(self.ids))
+                self.out.write(" [link back: the target rewrote the offline text from here] ")
+        elif event.kind in ("verified", "kept"):
+            self.offline[event.start:event.start + event.count] = [False] * event.count
+            if self.color and event.kind == "kept":
+                self.out.write(" [link back: offline text kept] ")
+            elif not self.color:
+                self._write(self._confirmed(), None)
         elif event.kind == "tokens":
             self.ids.extend(event.tokens)
-            text = self._text()
-            if text.endswith("\ufffd"):  # an incomplete character: wait for its next byte
-                return
-            piece = text[self.printed:]
-            style = self.STYLE.get(event.source) if self.color else None
-            self.out.write(f"{style}{piece}\x1b[0m" if style and piece else piece)
-            self.printed = len(text)
+            self.offline += [event.source == "offline"] * len(event.tokens)
+            ids = self.ids if self.color else self._confirmed()
+            self._write(ids, self.STYLE.get(event.source) if self.color else None)
         self.out.flush()
 
-    def _text(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+    def finish(self) -> None:
+        """The answer is over: write what is still held (offline text the link never came back to
+        confirm, which the answer keeps; a last character cut by the token budget)."""
+        self._write(self.ids, None, whole=True)
+        self.out.flush()
+
+    def _confirmed(self) -> list[int]:
+        """The answer's tokens before its first unconfirmed offline one."""
+        end = self.offline.index(True) if True in self.offline else len(self.ids)
+        return self.ids[:end]
+
+    def _write(self, ids: list[int], style: str | None, whole: bool = False) -> None:
+        text = self._text(ids)
+        if (text.endswith("\ufffd") and not whole) or len(text) <= self.printed:  # an incomplete character:
+            return  # wait for its next byte
+        piece = text[self.printed:]
+        self.out.write(f"{style}{piece}\x1b[0m" if style else piece)
+        self.printed = len(text)
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -189,22 +189,44 @@ def test_unreachable_server_is_a_clear_error(stories_path, capsys):
     assert code == 2 and "no verify service reachable" in err
 
 
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
 def test_text_stream_marks_offline_text_and_rewrites(stories):
-    """The chat shows offline text, confirmations and a rewrite after reconnection."""
+    """On a terminal the chat shows offline text (dim), confirmations and a rewrite after
+    reconnection; to a file or a pipe it writes only the answer: offline text once confirmed, kept
+    or left at the end, withdrawn text never (QA 56, finding 6: a redirected answer held the
+    withdrawn text and a marker pointing at the wrong place)."""
     from splitspec.client.stream import TextStream
     from splitspec.client.loop import StreamEvent
 
     _, tokenizer, _ = stories
-    out = io.StringIO()
-    stream = TextStream(tokenizer, out)
-    hello, world, there = (tokenizer.encode(w, add_special_tokens=False) for w in ("Hello", " world", " there"))
-    stream(StreamEvent("tokens", 0, tuple(hello)))
-    stream(StreamEvent("tokens", len(hello), tuple(world), source="offline"))
-    stream(StreamEvent("retract", len(hello)))
-    stream(StreamEvent("tokens", len(hello), tuple(there)))
-    text = out.getvalue()
-    assert text.startswith("Hello world") and "rewrote the offline text" in text and text.endswith(" there")
-    assert stream.ids == hello + there
+    hello, world, there, again = (tokenizer.encode(w, add_special_tokens=False)
+                                  for w in ("Hello", " world", " there", " again"))
+    events = [StreamEvent("tokens", 0, tuple(hello)),
+              StreamEvent("tokens", len(hello), tuple(world), source="offline"),
+              StreamEvent("retract", len(hello)),
+              StreamEvent("tokens", len(hello), tuple(there)),
+              StreamEvent("tokens", len(hello + there), tuple(world), source="offline"),
+              StreamEvent("verified", len(hello + there), count=len(world)),
+              StreamEvent("tokens", len(hello + there + world), tuple(again), source="offline")]
+    terminal, piped = _Terminal(), io.StringIO()
+    for out in (terminal, piped):
+        stream = TextStream(tokenizer, out)
+        shown = []
+        for event in events:
+            stream(event)
+            shown.append(out.getvalue())
+        stream.finish()
+        assert stream.ids == hello + there + world + again
+    text = terminal.getvalue()
+    assert "\x1b[2m world\x1b[0m" in text and "rewrote the offline text" in text
+    assert text.replace("\x1b[2m", "").replace("\x1b[0m", "").endswith("there world again")
+    assert piped.getvalue() == "Hello there world again"  # the answer, and only it
+    assert shown[1] == "Hello" and shown[5] == "Hello there world"  # offline text held until confirmed
+    assert shown[6] == shown[5]  # " again" is offline until the end: written by finish
 
 
 def test_answer_tokens_follow_every_event_kind(tmp_path):
