@@ -143,7 +143,8 @@ def client_config(args):
     it from the target's chat defaults once the target is known (in split mode the server's).
 
     Raises:
-        ValueError: a bad --drafter or tree size, or sampling parameters out of range.
+        ValueError: a bad --drafter or tree size, sampling parameters out of range, or --no-spec with
+            --adaptive-tree.
     """
     from .build import ClientConfig
 
@@ -152,6 +153,8 @@ def client_config(args):
     temperature = 0.0 if args.temperature is None else args.temperature
     top_p = 1.0 if args.top_p is None else args.top_p
     tree = TreeConfig(depth=args.tree_depth, top_b=args.tree_top_b, max_nodes=args.tree_nodes)
+    if args.no_spec and args.adaptive_tree:  # the drafter check below would name a "none" never given
+        raise ValueError("--adaptive-tree picks draft trees, and --no-spec sends none: use one of them")
     drafter = DrafterSpec.parse("none" if args.no_spec else args.drafter, lsa=args.lsa_placement,
                                 quant=args.feature_quant, vocab=args.draft_vocab, tree=tree, lookup=args.prompt_lookup,
                                 adaptive=args.adaptive_tree)

@@ -343,6 +343,13 @@ def test_a_history_that_cannot_be_opened_is_one_line(monkeypatch, capsys, tmp_pa
         assert code == 2 and f"chat history {path}: {what}" in err, err
 
 
+def test_no_spec_with_adaptive_tree_names_the_flags(capsys):
+    """--no-spec --adaptive-tree names the two flags (it blamed "the none drafter", never given)."""
+    code, _, err = _run(capsys, ["generate", "--local", "--target", "/no/such/model", "--prompt", "x", "--no-spec",
+                                 "--adaptive-tree"])
+    assert code == 2 and "--adaptive-tree picks draft trees, and --no-spec sends none" in err
+
+
 def test_missing_shipped_checkpoint_names_what_ships_and_how_to_train(capsys):
     from splitspec.shared.drafters.spec import DrafterSpec
 
