@@ -171,7 +171,7 @@ class RemoteVerifier(Verifier):
             num_layers=info.num_layers, hidden_size=info.hidden_size, max_context=info.max_context,
             max_tree_nodes=info.max_tree_nodes, max_tree_depth=info.max_tree_depth,
             max_draft_support=info.max_draft_support, eos_token_ids=tuple(info.eos_token_ids),
-            lsa_ids=tuple(info.lsa_ids))
+            lsa_ids=tuple(info.lsa_ids), max_prompt_tokens=info.max_prompt_tokens or None)
 
     def _wait_connected(self, timeout_s: float, tls: bool) -> None:
         """Until the channel is ready, within `timeout_s`. A server not (yet) listening is waited

@@ -23,7 +23,7 @@ class ServerInfo:
     """What the verify service reports (`Info`): the target's identity and sizes (vocab_size V,
     num_layers L, hidden_size E) and its limits: `max_context` tokens per session,
     `max_tree_nodes` / `max_tree_depth` per Verify, `max_draft_support` entries per draft-probability
-    row."""
+    row, `max_prompt_tokens` per OpenSession (None: no limit but the context, single-device)."""
 
     model_id: str
     tokenizer_fingerprint: str
@@ -36,6 +36,7 @@ class ServerInfo:
     max_draft_support: int
     eos_token_ids: tuple[int, ...]
     lsa_ids: tuple[str, ...] = ()
+    max_prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True)

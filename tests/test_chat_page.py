@@ -65,8 +65,10 @@ def test_chat_page_streams_shows_offline_text_and_keeps_history(stories, browser
     model, tokenizer, model_id = stories
     runner = TargetRunner(model, tokenizer, model_id)
     link_back = threading.Event()
-    # the second Verify call fails; the link stays down until the test has seen offline text
-    verifier = FlakyVerifier(runner, {2: "after"}, gate=link_back.is_set)
+    # the second Verify call fails; the link stays down until the test has seen offline text. Probes
+    # find it up before that failure: the page polls /health, and the daemon refuses a request that
+    # begins while the link is known down
+    verifier = FlakyVerifier(runner, {2: "after"}, gate=lambda: link_back.is_set() or bool(verifier.fail))
     drafter = DraftModelDrafter(model, TreeConfig(depth=4, top_b=2, max_nodes=8))  # writes the target's own text
     setup = ClientSetup(SpeculativeDecoder(verifier, drafter, FAST), tokenizer, SamplingParams(0.7, 0.9),
                         "single-device")

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 
+import grpc
 import pytest
 
 pytest.importorskip("fastapi")
@@ -22,16 +23,22 @@ httpx = pytest.importorskip("httpx")
 
 from splitspec.client.build import ClientConfig, ClientSetup, build_client  # noqa: E402
 from splitspec.client.daemon.cli import DaemonServer, daemon_app  # noqa: E402
+from splitspec.client.daemon.engine import refusal_error  # noqa: E402
 from splitspec.client.daemon.schema import parse_request  # noqa: E402
 from splitspec.client.drafters import DraftModelDrafter, NgramDrafter  # noqa: E402
 from splitspec.client.history import ChatHistory  # noqa: E402
 from splitspec.client.loop import OFFLINE, SpeculativeDecoder  # noqa: E402
+from splitspec.client.reconnect import OfflinePolicy  # noqa: E402
+from splitspec.client.transport import RemoteVerifier  # noqa: E402
+from splitspec.server.auth import TokenSet  # noqa: E402
 from splitspec.server.local import LocalVerifier  # noqa: E402
 from splitspec.server.runner import TargetRunner  # noqa: E402
-from splitspec.shared.config import TreeConfig  # noqa: E402
+from splitspec.shared.config import ServerLimits, ServerSecurity, TreeConfig  # noqa: E402
 from splitspec.shared.drafters.spec import DrafterSpec  # noqa: E402
+from splitspec.shared.features import FeatureRequest  # noqa: E402
 from splitspec.shared.models import encode_chat, load_model  # noqa: E402
 from splitspec.shared.sampling import SamplingParams  # noqa: E402
+from splitspec.shared.verifier import LinkDown  # noqa: E402
 
 from .helpers import FAST, FlakyVerifier, reference_greedy  # noqa: E402
 
@@ -199,6 +206,14 @@ def test_private_spans_by_field_and_by_tag_alike(runner, start):
      "invalid_value"),
     ({"model": "M", "messages": [{"role": "user", "content": "hi", "splitspec": {"private_spans": [[1, 9]]}}]},
      400, "messages.0.splitspec.private_spans", "invalid_value"),
+    # splitspec's extension objects fail closed: a misspelt key would send the text meant private in clear
+    ({"model": "M", "messages": [{"role": "user", "content": "My PIN is 4711", "splitspec": {"privat": True}}]},
+     400, "messages.0.splitspec.privat", "invalid_value"),
+    ({"model": "M", "messages": [{"role": "user", "content": "My PIN is 4711",
+                                  "splitspec": {"private_span": [[10, 14]]}}]},
+     400, "messages.0.splitspec.private_span", "invalid_value"),
+    ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "splitspec": {"conversaton": 1}}, 400,
+     "splitspec.conversaton", "invalid_value"),
     ({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404, "model", "model_not_found"),
     ({"model": "M", "messages": [{"role": "user", "content": "hi " * 2000}]}, 400, "messages",
      "context_length_exceeded"),
@@ -235,6 +250,19 @@ def test_bad_requests_get_openai_errors(runner, start, body, status, param, code
     error = reply.json()["error"]
     assert error["message"] and error["type"] == "invalid_request_error"
     assert error["param"] == param and error["code"] == code
+
+
+def test_unknown_fields_are_refused_in_splitspec_objects_only(runner, start):
+    """OpenAI's own objects take fields the daemon does not know (clients send them); splitspec's
+    extension objects name an unknown one, so a typo in a privacy control fails closed."""
+    server = start(_local_setup(runner))
+    body = {**_request(runner.model_id, max_tokens=2), "presence_penalty": 0, "user": "u1",
+            "messages": [{"role": "user", "content": "hi", "name": "bob", "splitspec": {"private": False}}]}
+    assert _post(server, body).status_code == 200
+    typo = {**body, "messages": [{"role": "user", "content": "My PIN is 4711", "splitspec": {"privat": True}}]}
+    reply = _post(server, typo)
+    assert reply.status_code == 400
+    assert reply.json()["error"]["message"] == "messages.0.splitspec.privat: unknown field"
 
 
 def test_openai_client_raises_on_refusals(runner, start):
@@ -411,6 +439,159 @@ def test_split_mode_through_the_verify_service(runner, serve, start, stories_pat
     service.stop()  # the verify service goes away: the daemon lives and says so
     assert _wait_for(server, lambda h: h["link"] == "down")["status"] == "ok"
     setup.decoder.verifier.close()
+
+
+TOKEN, OTHER_TOKEN = "tok-" + "a1" * 12, "tok-" + "b2" * 12
+
+
+def _split_setup(runner, address: str, **verifier_kw) -> ClientSetup:
+    return ClientSetup(SpeculativeDecoder(RemoteVerifier(address, **verifier_kw), NgramDrafter(), FAST),
+                       runner.tokenizer, SamplingParams(0.7, 0.9), "split")
+
+
+def test_a_prompt_over_the_services_max_prompt_tokens_is_refused_like_one_over_the_context(runner, serve, start):
+    """The service's Info reports max_prompt_tokens: a longer prompt gets 400 context_length_exceeded
+    naming the limit, as one over the context does (it got 500 with the gRPC call's repr)."""
+    service = serve(runner, ServerLimits(max_prompt_tokens=32))
+    setup = _split_setup(runner, service.address)
+    server = start(setup)
+    reply = _post(server, _request(runner.model_id, "hi " * 40))
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
+    assert "up to 32 tokens" in error["message"] and error["type"] == "invalid_request_error"
+    assert _post(server, _request(runner.model_id, max_tokens=2)).status_code == 200  # a short one passes
+    setup.decoder.verifier.close()
+
+
+def test_verify_service_refusals_are_http_answers_with_its_words(runner, serve, start, caplog):
+    """A refusal of the verify service is no daemon bug (500 with the call's repr and a traceback):
+    a limit the request is over is 400, a service full for now 503 with its retry hint as
+    Retry-After, a refused token 502 naming the daemon's credentials; each logs one warning."""
+    service = serve(runner, ServerLimits(max_sessions=1, max_session_kv_tokens=30),
+                    security=ServerSecurity(tokens=(TOKEN,)))
+    setup = _split_setup(runner, service.address, token=TOKEN, busy_wait_s=0)
+    server = start(setup)
+    body = _request(runner.model_id)  # 19 prompt tokens: the answer outgrows the session's 30 KV tokens
+    caplog.set_level("WARNING", logger="splitspec.client.daemon.engine")
+
+    over = _post(server, body)
+    assert over.status_code == 400, over.text
+    error = over.json()["error"]
+    assert error["code"] == "server_limit_exceeded" and error["type"] == "invalid_request_error"
+    assert "RESOURCE_EXHAUSTED: session KV tokens budget exceeded" in error["message"]
+    assert "Rendezvous" not in error["message"] and "debug_error_string" not in error["message"]
+
+    other = RemoteVerifier(service.address, token=TOKEN)  # holds the service's one session
+    session, _ = other.open([1, 2, 3], SamplingParams(0.0), FeatureRequest())
+    busy = _post(server, _request(runner.model_id, max_tokens=2))
+    assert busy.status_code == 503 and busy.headers["retry-after"] == "1", busy.text
+    assert busy.json()["error"]["code"] == "verify_service_busy" and "1 sessions" in busy.json()["error"]["message"]
+    session.close()
+    other.close()
+
+    service.servicer.auth.tokens = TokenSet([OTHER_TOKEN])  # the service's tokens rotated without the daemon's
+    refused = _post(server, _request(runner.model_id, max_tokens=2))
+    assert refused.status_code == 502, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "verify_service_auth_failed" and error["type"] == "server_error"
+    assert "refused this daemon's credentials (UNAUTHENTICATED" in error["message"]
+
+    records = [r for r in caplog.records if r.name == "splitspec.client.daemon.engine"]
+    assert [r.levelname for r in records] == ["WARNING"] * 3 and not any(r.exc_info for r in records)
+    assert httpx.get(f"{server.url}/health").json()["requests"]["failed"] == 3
+    setup.decoder.verifier.close()
+
+
+class _Refusal(grpc.RpcError):
+    """A gRPC refusal as the channel raises it: code, details and trailing metadata."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, metadata=()) -> None:
+        self._code, self._details, self._metadata = code, details, metadata
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+    def trailing_metadata(self):
+        return self._metadata
+
+
+@pytest.mark.parametrize("refusal, status, code, retry_after", [
+    (_Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "rate limit of 5 calls/s per client exceeded; retry in 1.400 s",
+              (("grpc-retry-pushback-ms", "1400"),)), 503, "verify_service_busy", "2"),
+    (_Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "prompt has 8181 tokens; the limit is 4096"), 400,
+     "server_limit_exceeded", None),
+    (_Refusal(grpc.StatusCode.PERMISSION_DENIED, "not allowed"), 502, "verify_service_auth_failed", None),
+    (_Refusal(grpc.StatusCode.FAILED_PRECONDITION, "the client's tokenizer fingerprint differs"), 502,
+     "verify_service_refused", None),
+    (_Refusal(grpc.StatusCode.INVALID_ARGUMENT, "prompt token id 9999 outside [0, 512)"), 502,
+     "verify_service_refused", None),
+])
+def test_each_refusal_has_its_http_status(refusal, status, code, retry_after):
+    error = refusal_error(refusal)
+    assert (error.status, error.code, error.headers.get("Retry-After")) == (status, code, retry_after)
+    assert refusal.details() in error.message and refusal.code().name in error.message
+
+
+class _DownVerifier(LocalVerifier):
+    """A target whose link is down while `down` is set: opens fail, probes say so."""
+
+    def __init__(self, runner) -> None:
+        super().__init__(runner)
+        self.down, self.opens = True, 0
+
+    def open(self, *args, **kwargs):
+        self.opens += 1
+        if self.down:
+            raise LinkDown("injected: unreachable")
+        return super().open(*args, **kwargs)
+
+    def probe(self, timeout_s: float = 1.0) -> bool:
+        return not self.down
+
+
+def test_a_request_while_the_link_is_known_down_gets_its_503_at_once(runner, start, caplog):
+    """While the link is known down (/health found it so, or the last answer could not reach the
+    service) a request is refused after one probe, not after the loop's wait for the link (30 s by
+    default, holding the one answer worker); the first request after a drop still waits, for a
+    service that may be restarting. Each failure is one warning, no traceback."""
+    verifier = _DownVerifier(runner)
+    wait_s = 4.0
+    setup = ClientSetup(SpeculativeDecoder(verifier, NgramDrafter(), OfflinePolicy(backoff_initial_s=0.01,
+                                                                                    backoff_max_s=0.05,
+                                                                                    final_wait_s=wait_s)),
+                        runner.tokenizer, SamplingParams(0.7, 0.9), "single-device")
+    server = start(setup)
+    caplog.set_level("WARNING", logger="splitspec.client.daemon.engine")
+    body = _request(runner.model_id, max_tokens=2)
+
+    tic = time.monotonic()
+    first = _post(server, body)  # the daemon does not know yet: the loop waits for the link
+    assert first.status_code == 503 and time.monotonic() - tic >= wait_s
+    tic = time.monotonic()
+    second = _post(server, body)  # known down from the first: no open, no wait
+    assert second.status_code == 503 and time.monotonic() - tic < 2.0 and verifier.opens == 1
+    assert second.json()["error"]["code"] == "verify_service_unreachable"
+
+    verifier.down = False
+    assert httpx.get(f"{server.url}/health").json()["link"] == "up"
+    assert _post(server, body).status_code == 200
+    verifier.down = True
+    assert httpx.get(f"{server.url}/health").json()["link"] == "down"  # /health tells the daemon too
+    tic = time.monotonic()
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=60, headers={"Content-Type": "application/json"},
+                      content=json.dumps({**body, "stream": True})) as stream:
+        events = [line for line in stream.iter_lines() if line]
+    assert time.monotonic() - tic < 2.0 and '"verify_service_unreachable"' in events[-2], events
+    assert verifier.opens == 2  # only the answer that ran
+
+    verifier.down = False  # it came back: the next request finds so with its probe
+    assert _post(server, body).status_code == 200
+    records = [r for r in caplog.records if r.name == "splitspec.client.daemon.engine"]
+    assert [r.levelname for r in records] == ["WARNING"] * 3 and not any(r.exc_info for r in records)
 
 
 def test_up_builds_the_client_on_the_thread_that_writes_the_answers(runner, stories_path, monkeypatch, tmp_path):
@@ -635,6 +816,31 @@ def test_up_refuses_a_port_outside_the_tcp_range(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["up", "--local", "--port", "70000"])
     assert exit_.value.code == 2 and "70000 must lie in 0..65535" in capsys.readouterr().err
+
+
+def test_up_refuses_a_system_prompt_that_is_not_unicode(stories_path, monkeypatch, capsys, tmp_path):
+    """Bytes that are not UTF-8 in --system reach Python as lone surrogates: refused with one line
+    before anything loads (the daemon started, then failed every request, blaming its messages)."""
+    from splitspec.cli.main import main
+    from splitspec.client import build as client_build
+
+    def build(config, local_verifier=None):
+        raise AssertionError("the client was built")
+
+    monkeypatch.setattr(client_build, "build_client", build)
+    status = main(["up", "--local", "--target", str(stories_path), "--history", str(tmp_path / "chat.sqlite3"),
+                   "--system", "Be brief \udcff"])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1
+    assert err.startswith("splitspec: error: --system is not valid UTF-8 text (byte 0xff at character 10)")
+
+
+def test_up_help_names_everything_the_api_key_protects(capsys):
+    from splitspec.cli.main import main
+
+    with pytest.raises(SystemExit):
+        main(["up", "--help"])
+    assert "on /v1/* and /splitspec/* (the chat history)" in " ".join(capsys.readouterr().out.split())
 
 
 _SLOW_PREFILL_DAEMON = """

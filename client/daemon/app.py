@@ -35,10 +35,10 @@ log = logging.getLogger(__name__)
 
 def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes: int = 1 << 20,
                mode: str = "", drafter: str = "", host: str = "127.0.0.1") -> FastAPI:
-    """The API over `engine`. api_key: when set, /v1/* needs `Authorization: Bearer <api_key>`;
-    max_request_bytes: larger bodies are refused with 413; host: the address the daemon listens
-    on; when it is a loopback one, requests whose Host header names another host are refused
-    (403), all but /health."""
+    """The API over `engine`. api_key: when set, /v1/* and /splitspec/* need `Authorization:
+    Bearer <api_key>`; max_request_bytes: larger bodies are refused with 413; host: the address
+    the daemon listens on; when it is a loopback one, requests whose Host header names another
+    host are refused (403), all but /health."""
     app = FastAPI(title="splitspec daemon", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
     check_host = loopback_host(host)
@@ -87,7 +87,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict:
-        link = await run_in_threadpool(engine.setup.decoder.verifier.probe, 1.0)
+        link = await run_in_threadpool(engine.link_up, 1.0)
         return {"status": "ok", "model": engine.config.model_ids[0], "mode": mode, "drafter": drafter,
                 "link": "up" if link else "down", "defaults": {"temperature": engine.config.temperature,
                                                                "top_p": engine.config.top_p,

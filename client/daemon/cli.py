@@ -28,7 +28,8 @@ def add_daemon_parser(sub, local_verifier=None) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this device only)")
     p.add_argument("--port", type=port_number, default=DEFAULT_PORT, help="0 = any free port")
     p.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` on /v1/* (default: $SPLITSPEC_API_KEY, else none)")
+                   help="require `Authorization: Bearer KEY` on /v1/* and /splitspec/* (the chat history); /health "
+                        "stays open (default: $SPLITSPEC_API_KEY, else none)")
     p.add_argument("--max-queue", type=int, default=8,
                    help="requests that may wait behind the running answer; more are refused with 429")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
@@ -43,16 +44,18 @@ def cmd_up(args, local_verifier=None) -> None:
     """Build the client, print the daemon's URL, serve until interrupted.
 
     Raises:
-        ValueError: bad client flags, --max-queue < 0, or a non-loopback --host without an API key.
+        ValueError: bad client flags, --max-queue < 0, a --system that is not UTF-8 text, or a
+            non-loopback --host without an API key.
         LinkDown: the verify service is unreachable at start-up.
         OSError: the port is taken.
     """
     from ..build import build_client
-    from ..cli import client_config
+    from ..cli import client_config, utf8_text
 
     api_key = args.api_key or os.environ.get("SPLITSPEC_API_KEY") or None
     if args.max_queue < 0:
         raise ValueError("--max-queue must be >= 0")
+    utf8_text(args.system, "--system")  # else every request would fail, blaming its messages
     if not loopback_host(args.host) and not api_key:
         raise ValueError(f"--host {args.host} is reachable from other machines: set --api-key")
     from ..history import ChatHistory, default_path

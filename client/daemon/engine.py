@@ -9,19 +9,24 @@ token; a job cancelled while queued never starts and gives its place in the queu
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
+import grpc
+
 from splitspec.shared.compute import compute_thread
 from splitspec.shared.sampling import SamplingParams
+from splitspec.shared.verifier import LinkDown
 
 from ..build import ClientSetup
 from ..history import ChatHistory
 from ..loop import Generation
 from ..privacy import PrivacyGuard, encode_private_chat, placeholder_token, private_answer_spans, with_private_tags
+from ..transport import retry_hint_s
 from .schema import ApiError, Completion
 from .text import AnswerText
 
@@ -126,6 +131,7 @@ class Engine:
         self.pending = 0  # running + waiting
         self._jobs: set[Job] = set()  # running and waiting, until counted out (`_leave`)
         self.closing = False  # `shut_down` was called: requests are refused
+        self.link_down = False  # the last probe, or the last answer, found the verify service unreachable
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "refused": 0}
 
     # --- requests -----------------------------------------------------------------------------
@@ -141,7 +147,8 @@ class Engine:
 
         Raises:
             ApiError: 400 for a chat the tokenizer cannot render with its private spans, or one
-                that leaves no room in the target's context (code context_length_exceeded).
+                that leaves no room in the target's context or is over the verify service's
+                `max_prompt_tokens` (code context_length_exceeded).
         """
         messages = completion.messages
         if self.config.system and not any(m["role"] == "system" for m in messages):
@@ -150,6 +157,10 @@ class Engine:
             ids, mask = encode_private_chat(self.tokenizer, messages)
         except (ValueError, TypeError) as err:  # TypeError: text the tokenizer refuses
             raise ApiError(400, str(err), param="messages", code="invalid_value") from None
+        limit = self.info.max_prompt_tokens
+        if limit is not None and len(ids) > limit:  # the service would refuse the open (RESOURCE_EXHAUSTED)
+            raise ApiError(400, f"the verify service takes prompts of up to {limit} tokens; the messages take "
+                                f"{len(ids)}", param="messages", code="context_length_exceeded")
         room = self.info.max_context - len(ids)
         wanted = completion.max_tokens or self.config.max_new_tokens
         if room < 1 or (completion.max_tokens is not None and completion.max_tokens > room):
@@ -194,6 +205,14 @@ class Engine:
         job.on_cancel = lambda: self._cancelled(job)
         self._worker.submit(self._run, job, sampling, max_new)
         return job
+
+    def link_up(self, timeout_s: float = 1.0) -> bool:
+        """Whether the verify service answers a health probe within `timeout_s` (always so with
+        --local). Remembered: a request that begins while the link is known down gets its 503
+        after one probe (`_answer`), not after the loop's wait for the link."""
+        up = self.setup.decoder.verifier.probe(timeout_s)
+        self.link_down = not up
+        return up
 
     def status(self) -> dict:
         with self._lock:
@@ -253,8 +272,14 @@ class Engine:
             job.sink(Failed(err))
         except Exception as err:  # the loop's LinkDown, a gRPC refusal, a bug: the daemon lives on
             outcome = "failed"
-            log.exception("answer failed")
-            job.sink(Failed(server_error(err)))
+            error = server_error(err)
+            if error.status == 500:
+                log.exception("answer failed")
+            else:  # expected: the verify service unreachable or refusing, which the message says
+                log.warning("answer failed: %s", error.message)
+            if isinstance(err, LinkDown):
+                self.link_down = True
+            job.sink(Failed(error))
         finally:
             with self._lock:
                 self._leave(job, outcome)
@@ -262,6 +287,11 @@ class Engine:
                 self._idle.notify_all()
 
     def _answer(self, job: Job, sampling: SamplingParams, max_new: int) -> str:
+        if self.link_down and not self.link_up():
+            # known down and still so: 503 now, before the history is written. The loop would wait
+            # its final_wait_s (30 s) for a service that may be restarting, holding the worker and
+            # every request queued behind it; a link that drops mid-answer still goes offline.
+            raise LinkDown("it did not answer a health probe (/health reports the link down); retry later")
         text = AnswerText(self.tokenizer, job.completion.stop)
         writer, message = self._history_writer(job.completion)
 
@@ -322,11 +352,35 @@ class Engine:
 
 
 def server_error(err: Exception) -> ApiError:
-    """The OpenAI error object of an unexpected error: 503 when the verify service is
-    unreachable, else 500."""
-    from splitspec.shared.verifier import LinkDown
-
+    """The OpenAI error object of an error an answer (or a handler) ended with: 503 when the
+    verify service is unreachable, the answer to its refusal (`refusal_error`), else (a bug) 500."""
     if isinstance(err, LinkDown):
         return ApiError(503, f"the verify service is unreachable: {err}", type="server_error",
                         code="verify_service_unreachable")
+    if isinstance(err, grpc.RpcError):
+        return refusal_error(err)
     return ApiError(500, f"{type(err).__name__}: {err}", type="server_error", code="internal_error")
+
+
+def refusal_error(err: grpc.RpcError) -> ApiError:
+    """A verify service's refusal as an HTTP answer, with the service's own words (`details()`).
+
+    RESOURCE_EXHAUSTED with a retry hint (server/limits.py: the service full of sessions or KV for
+    now, or this daemon over its call rate; `--busy-wait` retried it already) is 503 with
+    Retry-After; without one (server/validation.py: a prompt, context, KV or reply over a limit of
+    the service) waiting does not help: 400. A refused token or certificate is the daemon's
+    setup, not the request: 502, as is any other refusal of what the daemon sent.
+    """
+    code, details = err.code(), err.details()
+    said = f"the verify service answered {code.name}: {details}"
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        hint = retry_hint_s(err)
+        if hint is not None:
+            return ApiError(503, f"{said}; retry later", type="server_error", code="verify_service_busy",
+                            headers={"Retry-After": str(max(1, math.ceil(hint)))})
+        return ApiError(400, f"{said} (a shorter conversation or max_tokens may fit)", code="server_limit_exceeded")
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return ApiError(502, f"the verify service refused this daemon's credentials ({code.name}: {details}); "
+                             "check `splitspec up`'s --auth-token-file ($SPLITSPEC_AUTH_TOKEN) or TLS client "
+                             "certificate", type="server_error", code="verify_service_auth_failed")
+    return ApiError(502, said, type="server_error", code="verify_service_refused")

@@ -2,7 +2,9 @@
 objects it answers with ({"error": {"message", "type", "param", "code"}}, as OpenAI's API does).
 
 Fields the daemon does not use (presence_penalty, user, ...) are accepted and ignored; fields that
-would change the answer in a way it cannot honour (n > 1, logprobs, tools) are refused.
+would change the answer in a way it cannot honour (n > 1, logprobs, tools) are refused. splitspec's
+own extension objects (`splitspec` fields) refuse unknown fields: a misspelt `private` must not send
+the text in clear.
 """
 from __future__ import annotations
 
@@ -37,7 +39,13 @@ class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-class MessageExtension(_Open):
+class _Closed(BaseModel):
+    """Unknown fields are refused (splitspec's extension objects: a misspelt key fails closed)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class MessageExtension(_Closed):
     """A message's `splitspec` field: the whole message private, or private character spans
     [start, end) of its content (the same as <private> tags around them)."""
 
@@ -74,7 +82,7 @@ class StreamOptions(_Open):
     include_usage: bool = False
 
 
-class RequestExtension(_Open):
+class RequestExtension(_Closed):
     """A request's `splitspec` field: the chat-history conversation the exchange is written to
     (the last user message and the answer, as tokens commit)."""
 
@@ -132,9 +140,9 @@ def parse_request(body: bytes) -> Completion:
 
     Raises:
         ApiError: 400 for a body that is not JSON (or nested too deep to parse), a field out of
-            range or of the wrong type, n != 1, logprobs or tools, stream_options without stream,
-            more than 4 stop strings, bad private spans, text that is not Unicode (a lone
-            surrogate escape).
+            range or of the wrong type, an unknown field in a `splitspec` extension object, n != 1,
+            logprobs or tools, stream_options without stream, more than 4 stop strings, bad private
+            spans, text that is not Unicode (a lone surrogate escape).
     """
     try:
         raw = json.loads(body)
@@ -147,8 +155,9 @@ def parse_request(body: bytes) -> Completion:
     except ValidationError as err:
         first = err.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
-        raise ApiError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param,
-                       code="invalid_value") from None
+        # pydantic words an unknown field "Extra inputs are not permitted"
+        message = "unknown field" if first["type"] == "extra_forbidden" else first["msg"]
+        raise ApiError(400, f"{param}: {message}" if param else message, param=param, code="invalid_value") from None
     if req.logprobs:
         raise ApiError(400, "logprobs are not supported", param="logprobs", code="unsupported_value")
     if req.tools:
