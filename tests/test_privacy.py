@@ -420,11 +420,13 @@ def test_private_spans_of_an_answer_are_found_and_tagged(stories):
 def test_private_text_in_a_chat_answer_stays_private_in_the_next_turn(stories, serve, tmp_path):
     """The drafter reproduced a private span, so the client wrote it into the answer; the next
     chat turn sends the answer back as part of its prompt, and the span must stay on the device."""
+    import io
     from types import SimpleNamespace
 
     from splitspec.client.build import ClientSetup
     from splitspec.client.cli import _chat_turn, _encode
     from splitspec.client.history import ChatHistory
+    from splitspec.client.stream import TextStream
     from splitspec.shared.sampling import SamplingParams
 
     model, tokenizer, model_id = stories
@@ -433,12 +435,13 @@ def test_private_text_in_a_chat_answer_stays_private_in_the_next_turn(stories, s
     verifier, spy = _spied_verifier(server.address)
     decoder = SpeculativeDecoder(verifier, LeakyDrafter(secret_ids, other=tokenizer.eos_token_id or 0))
     setup = ClientSetup(decoder, tokenizer, SamplingParams(0.0), "split")
-    args = SimpleNamespace(max_new_tokens=24, private_ngram=2, system=None)
+    args = SimpleNamespace(max_new_tokens=24, private_ngram=2, system=None, seed=0)
     history_db = ChatHistory(tmp_path / "chat.sqlite3")
     conversation = history_db.new_conversation(model_id, "leaky")
     turn = [{"role": "user", "content": content}]
     prompt_ids, privacy = _encode(setup, args, turn)
-    gen, text = _chat_turn(setup, args, history_db, conversation, content, prompt_ids, privacy, lambda event: None)
+    gen, text = _chat_turn(setup, args, history_db, conversation, content, prompt_ids, privacy,
+                           TextStream(tokenizer, io.StringIO()))
     assert PRIVATE in gen.sources and canary in tokenizer.decode(gen.tokens)
     assert canary in text and canary not in re.sub("<private>.*?</private>", "", text, flags=re.DOTALL)
     assert history_db.messages(conversation)[-1]["content"] == text
@@ -688,7 +691,7 @@ def test_cli_and_daemon_guards_use_the_tokenizers_text(stories):
     tokenizer = stories[1]
     variant = tokenizer.encode(" HUNTER2", add_special_tokens=False)  # ids no private n-gram holds
     setup = SimpleNamespace(tokenizer=tokenizer, decoder=SimpleNamespace(
-        verifier=SimpleNamespace(info=SimpleNamespace(max_context=512))))
+        verifier=SimpleNamespace(info=SimpleNamespace(max_context=512, max_prompt_tokens=None))))
     ids, cli_guard = _encode(setup, SimpleNamespace(private_ngram=2), _SECRET_CHAT)
     worker = ThreadPoolExecutor(1)
     try:
