@@ -188,6 +188,8 @@ def cmd_run(args) -> int:
     client_argv = shlex.split(args.client) if args.client else None
     profile = _profile(args.profile, args.seed)
     backend = choose_backend(args.backend)
+    if args.record:
+        _check_writable(args.record, "--record")
     link = make_link(profile, backend)
     record = {"link": link.describe(), "server": server_argv, "client": client_argv, "cuts": str(schedule),
               "server_template": server_argv, "client_template": client_argv}
@@ -224,6 +226,20 @@ def cmd_run(args) -> int:
     return record["exit"]
 
 
+def _check_writable(path: str, flag: str) -> None:
+    """Before a run: the file `path` can be written (it is opened for appending, so an existing one
+    stays as it is until the run writes it); the run's outcome was lost to a bad path at its end.
+
+    Raises:
+        OSError: naming `flag`, the path and why.
+    """
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as err:
+        raise OSError(f"{flag} {path}: cannot write it ({err.strerror or err})") from None
+
+
 def _safe_stats(link) -> dict:
     try:
         return link.stats()
@@ -238,6 +254,8 @@ def cmd_validate(args) -> int:
     for backend in backends:
         choose_backend(backend)  # refuse early, with the reason
     profiles = [_profile(spec.strip(), args.seed) for spec in args.profile.split(",")]
+    if args.json:
+        _check_writable(args.json, "--json")
     bulk = None if args.bulk_mb is None else round(args.bulk_mb * 1e6)
     _raise_on_sigterm()
     rows = []

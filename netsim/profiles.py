@@ -79,7 +79,9 @@ class LinkProfile:
             return max(0.0, rng.gauss(self.delay_ms, self.jitter_ms))
         if self.distribution == "uniform":
             return max(0.0, self.delay_ms + rng.uniform(-self.jitter_ms, self.jitter_ms))
-        return self.delay_ms + self.jitter_ms * (rng.paretovariate(3.0) - 1.5)  # mean ~ delay_ms
+        # a heavy right tail; mean delay_ms while jitter_ms <= 2 * delay_ms (nothing to clamp), above it
+        # the clamp lifts it (unclamped, jitter 20 over delay 1 drew -9 ms: QA 56)
+        return max(0.0, self.delay_ms + self.jitter_ms * (rng.paretovariate(3.0) - 1.5))
 
     def serialization_ms(self, nbytes: int) -> float:
         """Time the bottleneck needs to send `nbytes`."""
@@ -109,7 +111,8 @@ def load_profile(spec: str) -> LinkProfile:
     """A preset name, or a TOML file with the LinkProfile fields at top level or under [link].
 
     Raises:
-        ValueError: unknown preset, not TOML, unknown keys, or invalid values (see LinkProfile).
+        ValueError: unknown preset, not TOML, unknown keys, a `link` that is no table or keys beside
+            it, or invalid values (see LinkProfile).
         FileNotFoundError: the TOML file does not exist.
     """
     if spec in PRESETS:
@@ -118,7 +121,12 @@ def load_profile(spec: str) -> LinkProfile:
     if not path.suffix == ".toml":
         raise ValueError(f"unknown link profile {spec!r}; presets: {', '.join(PRESETS)}, or a .toml file")
     data = tomllib.loads(path.read_text())
-    data = data.get("link", data)
+    if "link" in data:
+        if not isinstance(data["link"], dict):
+            raise ValueError(f"{path}: `link` must be a table ([link]) of the profile's fields")
+        if len(data) > 1:  # they would be ignored without a word
+            raise ValueError(f"{path}: keys beside [link]: {sorted(set(data) - {'link'})}; put them under [link]")
+        data = data["link"]
     fields = set(LinkProfile.__dataclass_fields__)
     unknown = set(data) - fields
     if unknown:

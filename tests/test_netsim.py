@@ -32,6 +32,23 @@ def test_profile_from_toml_and_errors(tmp_path):
         LinkProfile("bad", loss_pct=120)
     with pytest.raises(ValueError):
         LinkProfile("bad", distribution="cauchy")
+    path.write_text("link = 5\n")  # a traceback (TypeError) before QA 56
+    with pytest.raises(ValueError, match="must be a table"):
+        load_profile(str(path))
+    path.write_text("[link]\ndelay_ms = 5\n[other]\na = 1\n")  # [other] was ignored without a word
+    with pytest.raises(ValueError, match=r"keys beside \[link\]: \['other'\]"):
+        load_profile(str(path))
+
+
+@pytest.mark.parametrize("distribution", ["normal", "uniform", "pareto"])
+def test_sampled_delays_are_never_negative(distribution):
+    """Jitter larger than the delay: no distribution draws a negative one-way delay (pareto did,
+    down to -9 ms for delay 1 / jitter 20, and `netsim validate` expected a negative median RTT)."""
+    import random
+
+    profile = LinkProfile("wide", delay_ms=1.0, jitter_ms=20.0, distribution=distribution)
+    rng = random.Random(0)
+    assert min(profile.sample_delay_ms(rng) for _ in range(10_000)) >= 0.0
 
 
 @pytest.mark.parametrize("field, value", [("delay_ms", "abc"), ("delay_ms", float("nan")), ("delay_ms", float("inf")),

@@ -333,6 +333,21 @@ def test_netsim_cli_checks_numbers_before_building_links(argv, message, capsys, 
     assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["run", "--profile", "lan", "--record", "{bad}", "--", "true"],
+                                  ["validate", "--profile", "lan", "--json", "{bad}"]])
+def test_netsim_checks_its_output_file_before_building_links(argv, capsys, monkeypatch, tmp_path):
+    """An unwritable --record / --json is refused before any link is built (it failed after the
+    whole run, losing its outcome and replacing the client's exit status: QA 56)."""
+    from splitspec.cli.main import main
+    from splitspec.netsim import cli
+
+    monkeypatch.setattr(cli, "make_link", lambda *a, **k: pytest.fail("a link was built"))
+    monkeypatch.setattr(cli, "validate", lambda *a, **k: pytest.fail("the probes ran"))
+    bad = str(tmp_path / "no-such-folder" / "out.json")
+    assert main(["netsim", *[bad if a == "{bad}" else a for a in argv]]) == 2
+    assert f"{argv[argv.index('{bad}') - 1]} {bad}: cannot write it" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_netsim_validate_stops_promptly_on_a_signal(signum):
     """Ctrl-C or SIGTERM during the echo probes (about 25 s of them here) ends `validate` within a
