@@ -41,17 +41,17 @@ def _add_recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch", type=int, default=0,
                    help="conversations per target forward, gradients accumulated over a --batch (must divide it; "
                         "0 = the whole batch at once): a large batch in the memory of a small one")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=at_least(0, strict=True, finite=True), default=1e-3)
     p.add_argument("--chunk", type=_chunk, default=(1, 4),
                    help="MoA chunk lengths MIN-MAX: drafting distances 0 .. MAX-1 from the last verified token")
-    p.add_argument("--staircase", type=float, default=0.5,
+    p.add_argument("--staircase", type=at_least(0), default=0.5,
                    help="MoA: SA widens from the current chunk to fully causal over this share of the steps (0 = off)")
     p.add_argument("--no-tli-norm", action="store_true",
                    help="MoA TLI > 0: compare layer L-N's input raw instead of per-dimension scaled")
-    p.add_argument("--kl-weight", type=float, default=0.1,
+    p.add_argument("--kl-weight", type=at_least(0, finite=True), default=0.1,
                    help="weight of the token term (forward KL / CE against the target's softmax) beside the "
                         "SmoothL1 feature term(s); 0.1 is EAGLE's and the official MoA's. Held-out loss keeps 0.1")
-    p.add_argument("--train-vocab", type=int, default=-1,
+    p.add_argument("--train-vocab", type=at_least(-1, int), default=-1,
                    help="KL over the N most frequent target tokens (the draft vocabulary); 0 = all; "
                         "default: 8192 where the target has shipped token counts")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
@@ -95,7 +95,7 @@ def _add_train_parser(sub) -> None:
     p.add_argument("--max-tokens", type=POSITIVE, default=200_000, help="training tokens per epoch")
     p.add_argument("--epochs", type=POSITIVE, default=1)
     p.add_argument("--eval-every", type=int, default=50, help="optimizer steps between held-out evaluations (0 = only when the run stops)")
-    p.add_argument("--max-minutes", type=float, default=0.0,
+    p.add_argument("--max-minutes", type=at_least(0), default=0.0,
                    help="stop cleanly after this many minutes of training (0 = no limit); time paused with "
                         "SIGTSTP (kill -TSTP, Ctrl-Z) does not count; a first SIGINT or SIGTERM (Ctrl-C, kill PID) also "
                         "stops cleanly after the current step (a second one is not caught)")

@@ -179,6 +179,17 @@ class TrainConfig:
             raise ValueError(f"heldout and eval_prompts must be >= 0, got {self.heldout} and {self.eval_prompts}")
         if self.profile_steps < 0:
             raise ValueError(f"profile_steps must be >= 0, got {self.profile_steps}")
+        # a negative kl_weight trained toward the largest KL, rc 0 (QA 56); the others went unnoticed
+        if not (math.isfinite(self.kl_weight) and self.kl_weight >= 0):
+            raise ValueError(f"kl_weight must be a finite number >= 0, got {self.kl_weight}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
+        if not 0 <= self.staircase <= 1:
+            raise ValueError(f"staircase (a share of the steps) must lie in [0, 1], got {self.staircase}")
+        if not self.max_minutes >= 0:
+            raise ValueError(f"max_minutes must be >= 0 (0 = no limit), got {self.max_minutes}")
+        if self.train_vocab < -1:
+            raise ValueError(f"train_vocab must be >= 0 (0 = all), or -1 for the default, got {self.train_vocab}")
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError(f"dtype must be bfloat16, float32 or auto, got {self.dtype!r}")
         if self.data != "sharegpt":
