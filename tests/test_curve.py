@@ -32,6 +32,19 @@ def test_table_and_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_command_prints_the_table_and_plots_only_when_asked(tmp_path, monkeypatch, capsys):
+    """`train-curve` has no default PNG: one relative to the working folder overwrote the repo's
+    tracked plot from its root and failed elsewhere before printing the table (QA 56)."""
+    from splitspec.cli.main import main
+
+    _write(tmp_path / "run_a" / "moa-tli0", [{"step": 1, "tokens": 1000, "tau": 1.5, "heldout_top1": 0.2}])
+    monkeypatch.chdir(tmp_path)
+    assert main(["train-curve", str(tmp_path / "run_a")]) == 0
+    assert "| moa-tli0 (run_a) | 1,000 |" in capsys.readouterr().out and not list(tmp_path.rglob("*.png"))
+    assert main(["train-curve", str(tmp_path / "run_a"), "--png", "plot.png"]) == 0
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_runs_get_distinct_styles():
     """Each of 48 runs gets its own (marker, line style): a dozen markers alone made the 13th and 1st
     run look alike."""

@@ -244,9 +244,11 @@ def cmd_draft_vocab(args) -> None:
 
 
 def add_curve_parser(sub) -> None:
-    p = sub.add_parser("train-curve", help="learning curve of training runs: Markdown table + PNG")
+    p = sub.add_parser("train-curve", help="learning curve of training runs: Markdown table (+ PNG)")
     p.add_argument("runs", nargs="+", help="training output directories")
-    p.add_argument("--png", default="docs/training_curve.png")
+    # no default file: one relative to the working folder overwrote the repo's tracked plot when run
+    # from its root, and failed elsewhere before the table was printed (QA 56)
+    p.add_argument("--png", default=None, help="also plot the curve to this PNG file")
     p.set_defaults(func=cmd_curve)
 
 
@@ -254,5 +256,6 @@ def cmd_curve(args) -> None:
     from splitspec.train.curve import plot, read_histories, table
 
     histories = read_histories([Path(r) for r in args.runs])
-    plot(histories, Path(args.png))
     print(table(histories))
+    if args.png:
+        plot(histories, Path(args.png))
