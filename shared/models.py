@@ -483,10 +483,15 @@ def _from_pretrained(load, path: str, name: str, **kwargs):
             what = (f"a weights file there is not a valid safetensors file, truncated or damaged ({err})"
                     if isinstance(err, SafetensorError) else _first_line(err))
             raise ValueError(f"model {where}: {what}{_repair_hint(Path(path), name)}") from err
+    from huggingface_hub.errors import HFValidationError
+
     try:
         return load(path, local_files_only=True, **kwargs)
     except OSError as err:
         cache_miss = err
+    except HFValidationError:  # no repo id either: a path that does not exist ("./x", "/a/b/c")
+        raise ValueError(f"model {name}: no such local folder or .gguf file, and not a Hugging Face model id"
+                         ) from None
     why = _hub_state()
     if why is not None:
         raise ValueError(f"model {name}: not an alias, a local folder or .gguf file, or a Hugging Face model in "

@@ -340,6 +340,9 @@ def test_pull_refuses_what_is_no_model(tmp_path, capsys):
     for load in (models.pull, models.load_model):
         with pytest.raises(ValueError, match="only .gguf files and model folders are supported"):
             load(str(tmp_path / "stories260K.bin"))
+    # a path that does not exist got huggingface_hub's "Repo id must be in the form ..." (QA 56)
+    assert main(["pull", str(tmp_path / "nosuchdir")]) == 2
+    assert "no such local folder or .gguf file, and not a Hugging Face model id" in capsys.readouterr().err
 
 
 def test_a_truncated_gguf_cannot_be_converted_and_says_so(cache, tmp_path):
