@@ -104,6 +104,15 @@ def _open_request(fp: str, prompt, features: FeatureRequest = FeatureRequest()):
     return pb.OpenSessionRequest(prompt_ids=list(prompt), tokenizer_fingerprint=fp, features=features.to_pb())
 
 
+def _chunked_service(stories, serve, **limits):
+    """(runner, tokenizer fingerprint, server, channel, stub) of a service prefilling in chunks of 2."""
+    model, tokenizer, model_id = stories
+    runner = TargetRunner(model, tokenizer, model_id)
+    server = serve(runner, ServerLimits(prefill_chunk=2, **limits))
+    channel = make_channel(server.address)
+    return runner, tokenizer_fingerprint(tokenizer), server, channel, pb_grpc.VerifyServiceStub(channel)
+
+
 def test_service_prefills_in_chunks_with_the_same_reply(stories, serve):
     """The service's chunked prefill gives the first token and features of the one-forward prefill
     (as they travel: fp16), and split decoding over it is exact."""
@@ -170,12 +179,7 @@ class _GatedRunner:
 def test_other_sessions_steps_run_between_the_chunks_of_a_long_prefill(stories, serve):
     """A step of a decoding session that arrives during a long prefill is scored after the chunk
     running then, not after the whole prompt."""
-    model, tokenizer, model_id = stories
-    fp = tokenizer_fingerprint(tokenizer)
-    runner = TargetRunner(model, tokenizer, model_id)
-    server = serve(runner, ServerLimits(prefill_chunk=2))
-    channel = make_channel(server.address)
-    stub = pb_grpc.VerifyServiceStub(channel)
+    runner, fp, server, channel, stub = _chunked_service(stories, serve)
     decoding = stub.OpenSession(_open_request(fp, [1, 40, 50]), timeout=30).session_id
     spy = _GatedRunner(runner)
     long_open = stub.OpenSession.future(_open_request(fp, PROMPT), timeout=30)
@@ -196,15 +200,10 @@ def test_a_chunked_prefill_counts_its_prompt_once_against_the_kv_budget(stories,
     chunks in its cache, the rest reserved), so another session's step that fits the budget beside
     it is admitted; the finished chunks were counted both held and reserved, and such steps were
     refused with RESOURCE_EXHAUSTED (qa56-srv F4)."""
-    model, tokenizer, model_id = stories
-    fp = tokenizer_fingerprint(tokenizer)
-    runner = TargetRunner(model, tokenizer, model_id)
     decoding_prompt, tree = [1, 40, 50], pb.DraftTree(tokens=[5, 6], parents=[-1, 0])
     # room for both prompts and one step of the decoding session (its tree, forced rows, bonus), no more
     budget = len(PROMPT) + len(decoding_prompt) + 3
-    server = serve(runner, ServerLimits(prefill_chunk=2, max_total_kv_tokens=budget))
-    channel = make_channel(server.address)
-    stub = pb_grpc.VerifyServiceStub(channel)
+    runner, fp, server, channel, stub = _chunked_service(stories, serve, max_total_kv_tokens=budget)
     decoding = stub.OpenSession(_open_request(fp, decoding_prompt), timeout=30).session_id
     spy = _GatedRunner(runner, hold_at=2)  # the first chunk (2 positions) is in the cache
     long_open = stub.OpenSession.future(_open_request(fp, PROMPT), timeout=30)
@@ -223,12 +222,7 @@ def test_long_prompts_take_turns_and_a_short_one_goes_between(stories, serve):
     """Prompts of several chunks are prefilled one after another, oldest first (their chunks
     alternated, so all of them finished late together, and under load none met its deadline:
     qa56-srv F3), while a prompt of one chunk is prefilled between two chunks like a step."""
-    model, tokenizer, model_id = stories
-    fp = tokenizer_fingerprint(tokenizer)
-    runner = TargetRunner(model, tokenizer, model_id)
-    server = serve(runner, ServerLimits(prefill_chunk=2))
-    channel = make_channel(server.address)
-    stub = pb_grpc.VerifyServiceStub(channel)
+    runner, fp, server, channel, stub = _chunked_service(stories, serve)
     spy = _GatedRunner(runner)
     order: list[int] = []  # the prompt's first token of each chunk and each open, in the order run
     chunk, open_ = runner.prefill_chunk, runner.open
@@ -250,13 +244,8 @@ def test_long_prompts_take_turns_and_a_short_one_goes_between(stories, serve):
 def test_a_departed_callers_prefill_stops_at_the_next_chunk(stories, serve):
     """An OpenSession whose deadline passes during a chunk runs no further chunk, leaves no session,
     and its KV reservation is released once the running chunk is over."""
-    model, tokenizer, model_id = stories
-    fp = tokenizer_fingerprint(tokenizer)
-    runner = TargetRunner(model, tokenizer, model_id)
-    server = serve(runner, ServerLimits(prefill_chunk=2))
+    runner, fp, server, channel, stub = _chunked_service(stories, serve)
     spy = _GatedRunner(runner)
-    channel = make_channel(server.address)
-    stub = pb_grpc.VerifyServiceStub(channel)
     with pytest.raises(grpc.RpcError) as err:
         stub.OpenSession(_open_request(fp, PROMPT), timeout=0.5)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
