@@ -62,6 +62,17 @@ def test_bad_sizes_are_refused_by_the_configs():
         split_heldout([[{"role": "user", "content": "hi"}]] * 3, -1, 0)
 
 
+def test_a_train_vocab_without_token_counts_says_how_to_make_them(stories, stories_path, tmp_path):
+    """--train-vocab N for a target with no token counts names `draft-vocab` and --train-vocab 0 (it was
+    a bare "No such file" naming a path the user never chose: QA 56)."""
+    from splitspec.train.trainer import _vocab_ids
+
+    cfg = TrainConfig(drafter="eagle2", target=str(stories_path), out=tmp_path / "run", train_vocab=256)
+    with pytest.raises(FileNotFoundError, match="run `splitspec draft-vocab --target .*` first, or .* --train-vocab 0"):
+        _vocab_ids(cfg, stories[1])
+    assert _vocab_ids(TrainConfig(drafter="eagle2", target=str(stories_path), out=tmp_path / "run"), stories[1]) is None
+
+
 def test_compressed_distill_output_is_refused():
     """distill-data --out x.jsonl.gz wrote plain JSONL under a .gz name."""
     for name in ("x.jsonl.gz", "x.jsonl.xz"):

@@ -474,7 +474,11 @@ def trainee_loss(cfg: TrainConfig, t: Trainee, target: TargetBatch, opts: LossOp
 
 def _vocab_ids(cfg: TrainConfig, tokenizer) -> torch.Tensor | None:
     """Training vocabulary ids [V'] (FR-Spec counts shipped for the target), or None for all.
-    train_vocab < 0: the default draft vocabulary size when counts exist, else None."""
+    train_vocab < 0: the default draft vocabulary size when counts exist, else None.
+
+    Raises:
+        FileNotFoundError: a train_vocab > 0 for a target without counts, saying how to make them.
+    """
     from splitspec.shared.drafters.draft_vocab import COUNTS, load_draft_vocab
     from splitspec.shared.drafters.shipped import target_folder
     from splitspec.shared.drafters.spec import DEFAULT_DRAFT_VOCAB
@@ -483,6 +487,10 @@ def _vocab_ids(cfg: TrainConfig, tokenizer) -> torch.Tensor | None:
     counts = target_folder(cfg.target) / COUNTS
     if cfg.train_vocab == 0 or (cfg.train_vocab < 0 and not counts.exists()):
         return None
+    if not counts.exists():  # a bare "No such file" named a path the user never chose (QA 56)
+        raise FileNotFoundError(f"--train-vocab {cfg.train_vocab} needs the target's token counts, and {counts} does "
+                                f"not exist: run `splitspec draft-vocab --target {cfg.target}` first, or train "
+                                f"over the whole vocabulary with --train-vocab 0")
     size = DEFAULT_DRAFT_VOCAB if cfg.train_vocab < 0 else cfg.train_vocab
     return load_draft_vocab(counts, size, tokenizer_fingerprint(tokenizer)).to(cfg.device)
 
