@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import sys
 
+from .answer import AnswerTokens
+
 
 class TextStream:
     """Prints the answer as stream events arrive (client/loop.py StreamEvent).
@@ -21,25 +23,25 @@ class TextStream:
     def __init__(self, tokenizer, out=sys.stdout) -> None:
         self.tokenizer, self.out = tokenizer, out
         self.color = hasattr(out, "isatty") and out.isatty()
-        self.ids: list[int] = []
-        self.offline: list[bool] = []  # per token: written offline and not yet confirmed
+        self.answer = AnswerTokens()  # the answer's ids and who wrote each, as the events leave them
         self.printed = 0  # characters of the decoded answer already written
 
+    @property
+    def ids(self) -> list[int]:
+        return self.answer.ids
+
     def __call__(self, event) -> None:
+        self.answer(event)
         if event.kind == "retract":
-            del self.ids[event.start:], self.offline[event.start:]
             if self.color:
                 self.printed = len(self._text(self.ids))
                 self.out.write(" [link back: the target rewrote the offline text from here] ")
         elif event.kind in ("verified", "kept"):
-            self.offline[event.start:event.start + event.count] = [False] * event.count
             if self.color and event.kind == "kept":
                 self.out.write(" [link back: offline text kept] ")
             elif not self.color:
                 self._write(self._confirmed(), None)
         elif event.kind == "tokens":
-            self.ids.extend(event.tokens)
-            self.offline += [event.source == "offline"] * len(event.tokens)
             ids = self.ids if self.color else self._confirmed()
             self._write(ids, self.STYLE.get(event.source) if self.color else None)
         self.out.flush()
@@ -52,7 +54,8 @@ class TextStream:
 
     def _confirmed(self) -> list[int]:
         """The answer's tokens before its first unconfirmed offline one."""
-        end = self.offline.index(True) if True in self.offline else len(self.ids)
+        sources = self.answer.sources
+        end = sources.index("offline") if "offline" in sources else len(sources)
         return self.ids[:end]
 
     def _write(self, ids: list[int], style: str | None, whole: bool = False) -> None:
