@@ -264,14 +264,19 @@ def cmd_bench(args) -> None:
         writable_dir(cfg.out)
     prompts = load_prompts(list(cfg.datasets), cfg.limit, cfg.spec_bench, cfg.categories)
     torch.set_num_threads(cfg.threads)
-    with sigterm_exits():
-        model, tokenizer, model_id = load_model(cfg.target)
-        meta = {"target": model_id, "commit": source_commit(), "machine": machine_description(cfg.threads),
-                "seed": cfg.seed, "threads": cfg.threads, "max_new_tokens": cfg.max_new_tokens,
-                "decoding": decoding_text(cfg.sampling)}
-        with contextlib.ExitStack() as stack:
-            arms = build_arms(cfg, stack, model, tokenizer, model_id)
-            records = run_arms(cfg, prompts, arms, model, tokenizer, meta)
+    records: list[BenchRecord] = []  # filled answer by answer, so that an interrupted run keeps what it measured
+    try:
+        with sigterm_exits():
+            model, tokenizer, model_id = load_model(cfg.target)
+            meta = {"target": model_id, "commit": source_commit(), "machine": machine_description(cfg.threads),
+                    "seed": cfg.seed, "threads": cfg.threads, "max_new_tokens": cfg.max_new_tokens,
+                    "decoding": decoding_text(cfg.sampling)}
+            with contextlib.ExitStack() as stack:
+                arms = build_arms(cfg, stack, model, tokenizer, model_id)
+                records = run_arms(cfg, prompts, arms, model, tokenizer, meta, records)
+    except (KeyboardInterrupt, SystemExit):
+        keep_interrupted(cfg, records)
+        raise
     table = render_markdown(records, meta, cfg)
     print(table)
     lossy = inexact_answers(records)
@@ -348,16 +353,31 @@ def build_arms(cfg: BenchConfig, stack: contextlib.ExitStack, model, tokenizer, 
     return arms
 
 
+def keep_interrupted(cfg: BenchConfig, records: list[BenchRecord]) -> None:
+    """After Ctrl-C or SIGTERM: write the answers finished so far to --out/results.jsonl (no table or
+    plots: the arms would be compared over different prompts) and say so on stderr."""
+    if not records:
+        print("bench: interrupted before the first answer was measured", file=sys.stderr)
+        return
+    if not cfg.out:
+        print(f"bench: interrupted after {len(records)} answers (nothing kept: no --out)", file=sys.stderr)
+        return
+    (cfg.out / "results.jsonl").write_text("".join(json.dumps(r.to_json()) + "\n" for r in records))
+    print(f"bench: interrupted; the {len(records)} answers finished are in {cfg.out / 'results.jsonl'} "
+          "(no table: rerun for one)", file=sys.stderr)
+
+
 def run_arms(cfg: BenchConfig, prompts: list[dict], arms: list[Arm], model, tokenizer,
-             meta: dict) -> list[BenchRecord]:
+             meta: dict, records: list[BenchRecord] | None = None) -> list[BenchRecord]:
     """Warm every arm up once, then run generate() and every arm on each prompt in turn.
-    Returns one record per prompt x arm (generate() included); see bench/metrics.py."""
+    Returns one record per prompt x arm (generate() included); see bench/metrics.py. Each record is
+    appended to `records` (a new list when None) as soon as it is measured."""
     eos = list(eos_token_ids(model, tokenizer))
     warm = encode_chat(tokenizer, [{"role": "user", "content": "Hello."}])
     run_baseline(model, warm, WARMUP_TOKENS, eos, cfg.sampling)
     for arm in arms:
         arm.decoder.generate(warm, WARMUP_TOKENS, cfg.sampling)
-    records = []
+    records = [] if records is None else records
     with tqdm(total=len(prompts) * (1 + len(arms)), desc="bench", unit="answer", file=sys.stderr) as bar:
         for i, prompt in enumerate(prompts):
             ids = encode_chat(tokenizer, [{"role": "user", "content": prompt["text"]}])

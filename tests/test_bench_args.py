@@ -363,6 +363,32 @@ def test_bench_fails_after_writing_a_report_with_a_lossy_answer(tmp_path, monkey
     assert "WARNING" in (out / "table.md").read_text() and (out / "results.jsonl").exists()
 
 
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, SystemExit])
+def test_an_interrupted_bench_keeps_the_answers_it_finished(tmp_path, monkeypatch, capsys, spec_bench, stop):
+    """QA 56 tools finding 8: Ctrl-C (or the SIGTERM sigterm_exits turns into SystemExit) after some
+    answers left --out empty, minutes of measurement lost without a word."""
+    rows = [record("local", "generate()", None), record("local", "ngram", None)]
+
+    def interrupted(cfg, prompts, arms, model, tokenizer, meta, records):
+        records += rows
+        raise stop()
+
+    monkeypatch.setattr(bench_mod, "load_model", lambda target: (None, None, "tiny"))
+    monkeypatch.setattr(bench_mod, "build_arms", lambda *args: [])
+    monkeypatch.setattr(bench_mod, "run_arms", interrupted)
+    out = tmp_path / "out"
+    argv = ["bench", "--methods", "", "--local-methods", "ngram", "--datasets", "spec_bench", "--categories",
+            "writing", "--spec-bench", str(spec_bench), "--out", str(out)]
+    if stop is KeyboardInterrupt:
+        assert main(argv) == 130
+    else:
+        with pytest.raises(SystemExit):
+            main(argv)
+    kept = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["method"] for r in kept] == ["generate()", "ngram"] and not (out / "table.md").exists()
+    assert "the 2 answers finished are in" in capsys.readouterr().err
+
 # --- 8. output paths checked before measuring ---------------------------------------------------------
 
 def test_output_paths_are_created_or_refused(tmp_path):
