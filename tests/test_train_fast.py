@@ -687,7 +687,7 @@ def test_distill_data_is_deterministic_and_resumes(stories_path, tmp_path):
     assert json.loads(resampled.read_text().splitlines()[0])["sample_seed"] == 8
     assert same_seed.read_text().splitlines()[1:] == a.splitlines()[1:]  # sample_seed = seed: the same answers
     check_heldout(resampled, 2, 7)
-    with pytest.raises(ValueError, match="other settings"):
+    with pytest.raises(ValueError, match=r"other settings \(seed 7 -> 8\): give the file's"):
         distill_data(DistillConfig(out=tmp_path / "a.jsonl", limit=6, **{**common, "seed": 8}), convs)
     examples = load_distilled(tmp_path / "a.jsonl", 64)
     assert examples and all(sum(e.loss_mask) > 0 for e in examples)
@@ -698,8 +698,10 @@ def test_distill_data_is_deterministic_and_resumes(stories_path, tmp_path):
     assert json.loads(rest_header)["start"] == 4 and "start" not in json.loads(header)
     assert [json.loads(r)["index"] for r in rest_records] == [4, 5]
     assert [json.loads(r)["prompt_ids"] for r in rest_records] == [json.loads(r)["prompt_ids"] for r in records[4:]]
-    with pytest.raises(ValueError, match="other settings"):  # a start that does not match the file's
+    with pytest.raises(ValueError, match=r"other settings \(start 4 -> 2\)"):  # a start unlike the file's
         distill_data(DistillConfig(out=tmp_path / "rest.jsonl", limit=6, start=2, **common), convs)
+    with pytest.raises(ValueError, match=r"other settings \(start 0 -> 2\)"):  # the header leaves start 0 out
+        distill_data(DistillConfig(out=tmp_path / "a.jsonl", limit=6, start=2, **common), convs)
     with pytest.raises(ValueError, match="start < limit"):
         DistillConfig(out=tmp_path / "x.jsonl", limit=6, start=6, **common)
 
@@ -792,7 +794,7 @@ def test_distill_data_with_a_static_cache(stories_path, tmp_path, monkeypatch):
     assert len(st) == 7 and st == dyn
     assert asked == [(None, None)] * 3 + [("static", 64 + 16)] * 3  # batches of 3, 3 and 1 each way
     assert any(len(json.loads(r)["answer_ids"]) > 1 for r in st)
-    with pytest.raises(ValueError, match="other settings"):
+    with pytest.raises(ValueError, match=r"other settings \(cache static -> dynamic\)"):
         distill_data(DistillConfig(out=tmp_path / "static.jsonl", **common), convs)
 
 

@@ -177,6 +177,23 @@ def answer_batch(model, prompts: list[list[int]], cfg: DistillConfig, eos: list[
     return answers
 
 
+# what a header without the key means (DistillConfig.header leaves these out at their defaults)
+HEADER_DEFAULTS = {"start": 0, "cache": "dynamic", "sample_seed": None}
+
+
+def settings_changed(written: dict, now: dict) -> str:
+    """The settings of two headers that differ, as "key file's -> now; ...", keys in the file's order."""
+    keys = list(written) + [k for k in now if k not in written]
+    absent = object()
+
+    def value(header: dict, key: str):
+        return header.get(key, HEADER_DEFAULTS.get(key, absent))
+
+    return "; ".join(f"{k} {'(none)' if value(written, k) is absent else value(written, k)} -> "
+                     f"{'(none)' if value(now, k) is absent else value(now, k)}"
+                     for k in keys if value(written, k) != value(now, k))
+
+
 def distill_data(cfg: DistillConfig, conversations: list | None = None) -> dict:
     """Write (or complete) the JSONL file; returns counts.
 
@@ -193,7 +210,8 @@ def distill_data(cfg: DistillConfig, conversations: list | None = None) -> dict:
         first.setdefault("turns", "first")  # files written before `turns` existed
         first.setdefault("min_prompt_len", 0)  # or before `min_prompt_len`
         if first != header:
-            raise ValueError(f"{cfg.out} was written with other settings: {first}")
+            raise ValueError(f"{cfg.out} was written with other settings ({settings_changed(first, header)}): "
+                             "give the file's, or write another --out")
     done = _done(cfg.out)
     if not cfg.out.exists() or not cfg.out.stat().st_size:  # new, or only a torn header line
         cfg.out.parent.mkdir(parents=True, exist_ok=True)
