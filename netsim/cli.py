@@ -53,13 +53,14 @@ def add_netsim_parser(sub) -> None:
 
     q = netsim.add_parser("run", help="run a server command behind an emulated link")
     _add_link_args(q)
-    q.add_argument("--port", type=_port, default=50051, help="the port clients connect to")
+    q.add_argument("--port", type=_port, default=50051,
+                   help="the port clients connect to (0: a free one, printed when the server listens)")
     q.add_argument("--cut", default=None, metavar="AT:DURATION,...",
                    help="cut the link on a schedule from when the server listens, e.g. 50s:10s,2m:5s")
     q.add_argument("--client", default=None, metavar="CMD",
                    help="client command line to run on the client side once the server listens; "
                         "{server} is replaced by the address; exit with its status")
-    q.add_argument("--wait", type=float, default=600.0, help="seconds to wait for the server to listen")
+    q.add_argument("--wait", type=_seconds, default=600.0, help="seconds to wait for the server to listen")
     q.add_argument("--record", default=None, metavar="FILE", help="write the link, commands and outcome as JSON")
     q.add_argument("server", nargs=argparse.REMAINDER, metavar="-- SERVER...",
                    help="server command; {host} and {port} are replaced by where it must listen")
@@ -107,6 +108,21 @@ def _port(text: str) -> int:
     if port > 65535:
         raise argparse.ArgumentTypeError(f"{port} must lie in 0..65535")
     return port
+
+
+def _seconds(text: str) -> float:
+    """argparse type of a finite number of seconds >= 0.
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, negative, infinite or NaN.
+    """
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number of seconds >= 0")
+    return seconds
 
 
 def _bulk_mb(text: str) -> float:
@@ -196,7 +212,9 @@ def cmd_run(args) -> int:
     _raise_on_sigterm()
     with link:
         record["link"] = link.describe()
-        port = _free_port() if backend == "relay" else args.port
+        # the relay's server listens on a free port behind it; in a namespace (tun) any port is free,
+        # but --port 0 cannot be waited for there, so it gets one picked the same way
+        port = _free_port() if backend == "relay" or args.port == 0 else args.port
         address = link.expose(port, listen_port=args.port) if isinstance(link, RelayBackend) else link.expose(port)
         values = {"host": link.server_host, "port": str(port), "server": address}
         env = {**os.environ, "SPLITSPEC_LISTEN_HOST": link.server_host, "SPLITSPEC_LISTEN_PORT": str(port),

@@ -317,6 +317,8 @@ def test_netsim_run_exit_status_of_a_client_killed_by_a_signal(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["run", "--profile", "lan", "--port", "99999", "--", "true"], "--port: 99999 must lie in 0..65535"),
+    (["run", "--profile", "lan", "--wait", "-1", "--", "true"], "--wait: -1 must be a finite number of seconds >= 0"),
+    (["run", "--profile", "lan", "--wait", "inf", "--", "true"], "--wait: inf must be a finite"),
     (["validate", "--samples", "0"], "--samples: 0 must be >= 1"),
     (["validate", "--grpc", "-1"], "--grpc: -1 must be >= 0"),
     (["validate", "--bulk-mb", "0.1"], "--bulk-mb: 0.1 must be 0 (skip) or at least 0.262144 MB"),

@@ -70,6 +70,25 @@ def test_round_trip_and_rate_match_the_profile(fixed_rows):
     assert tun.stats["up"]["lost"] == tun.stats["down"]["lost"] == 0 and tun.stats["down"]["packets"] > 1000
 
 
+def test_netsim_run_port_0_over_tun_picks_a_port(tmp_path):
+    """--port 0 means a free port on every backend (QA 56 tools finding 10: over tun the command
+    waited --wait seconds for a server on port 0, then failed)."""
+    _require("tun")
+    server, client = tmp_path / "server.py", tmp_path / "client.py"
+    server.write_text("import socket, sys\ns = socket.socket(); s.bind((sys.argv[1], int(sys.argv[2]))); s.listen()\n"
+                      "while True:\n    c, _ = s.accept(); c.sendall(c.recv(4)); c.close()\n")
+    client.write_text("import socket, sys\nhost, port = sys.argv[1].rsplit(':', 1)\n"
+                      "with socket.create_connection((host, int(port)), timeout=10) as s:\n"
+                      "    s.sendall(b'ping'); sys.exit(0 if s.recv(4) == b'ping' else 5)\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "splitspec.netsim.cli", "run", "--profile", "lan", "--backend", "tun", "--port", "0",
+         "--wait", "20", "--client", f"{sys.executable} {client} {{server}}", "--",
+         sys.executable, str(server), "{host}", "{port}"], capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr
+    port = int(done.stderr.split("clients connect to 10.77.0.2:")[1].split()[0])
+    assert 0 < port <= 65535
+
+
 def test_tun_cut_restore_processes_and_cleanup():
     _require("tun")
     link = make_link(LinkProfile("t", delay_ms=2.0), "tun")
