@@ -899,3 +899,26 @@ def test_ctrl_c_during_a_long_prefill_exits_promptly(stories_path, tmp_path):
     finally:
         if child.poll() is None:
             child.kill()
+
+
+class _ByteTokenizer:
+    """Token id = one byte, decoded as a byte-level BPE tokenizer would (an incomplete character
+    becomes U+FFFD)."""
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_an_answer_cut_inside_a_character_does_not_end_in_u_fffd():
+    """QA 56 nit: a non-streaming answer cut by max_tokens in the middle of a multi-byte character
+    ended in U+FFFD. The streamed deltas and the whole text now both leave the part character out."""
+    from splitspec.client.answer import EventKind, StreamEvent
+    from splitspec.client.daemon.text import AnswerText
+
+    text = AnswerText(_ByteTokenizer())
+    whole = "ハット".encode()
+    deltas = text.feed(StreamEvent(EventKind.TOKENS, 0, tuple(whole[:-1])))  # the last character cut short
+    assert "".join(d.content for d in deltas + text.finish()) == "ハッ" == text.text
+    complete = AnswerText(_ByteTokenizer())
+    deltas = complete.feed(StreamEvent(EventKind.TOKENS, 0, tuple(whole)))
+    assert "".join(d.content for d in deltas + complete.finish()) == "ハット" == complete.text

@@ -80,14 +80,17 @@ class AnswerText:
 
     @property
     def text(self) -> str:
-        """The answer's text, cut at the first stop string."""
+        """The answer's text, cut at the first stop string, without a last character the tokens
+        end inside of (an answer cut by max_tokens: its U+FFFD would be noise; vLLM's incremental
+        detokenizer drops it the same way, never releasing text that ends in U+FFFD)."""
         text = self._text()
-        return text[: self.stop_at] if self.stop_at is not None else text
+        return text[: self.stop_at] if self.stop_at is not None else text.rstrip("\ufffd")
 
     def _flush(self, source: str, final: bool) -> list[Delta]:
         text = self._text()
         self._find_stop(text)
-        end = self.stop_at if self.stop_at is not None else (len(text) if final else self._safe_end(text))
+        end = self.stop_at if self.stop_at is not None else (
+            len(text.rstrip("\ufffd")) if final else self._safe_end(text))
         if end <= self.sent:
             return []
         delta = Delta(text[self.sent: end], self.sent, source)
