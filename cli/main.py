@@ -65,7 +65,25 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parsers(sub)
     add_netsim_parser(sub)
     add_train_parsers(sub)
+    _show_defaults(parser)
     return parser
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Append "(default: X)" to the help of every option of `parser` and its subcommands that has a
+    default worth naming (not None, False or empty) and whose help does not already name one; an
+    option without help gets that as its help. (argparse.ArgumentDefaultsHelpFormatter would also
+    print "default: None" and "default: False", and skips options without help.)"""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in set(action.choices.values()):
+                _show_defaults(subparser)
+            continue
+        default, text = action.default, action.help or ""
+        if (action.help == argparse.SUPPRESS or default is None or default is False or default in ("", [])
+                or default == argparse.SUPPRESS or "default" in text.lower()):
+            continue
+        action.help = f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
 def load_local_verifier(target: str, device: str, dtype: str):

@@ -380,3 +380,19 @@ def test_train_command_defaults_are_the_trainers():
     differ = {f.name for f in dataclasses.fields(TrainConfig) if getattr(cfg, f.name) != getattr(default, f.name)}
     assert differ - {"compile"} == {"lr"}, differ
     assert cfg.compile == ("on" if can_compile("cpu") else "off") and default.compile == "off"
+
+
+@pytest.mark.parametrize("argv, shown", [
+    (["generate"], ["--max-new-tokens MAX_NEW_TOKENS", "default: 256", "0 = greedy (default: 0.0)", "(default: int8)"]),
+    (["netsim", "run"], ["(default: 600.0)"]),
+    (["offline-eval"], ["(default smollm2-135m)"]),  # a help that names its default keeps its own words
+])
+def test_help_names_each_default_once(argv, shown, capsys, monkeypatch):
+    """QA 56: --help omitted the defaults of most options (--max-new-tokens, --lsa-placement, ...)."""
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit):
+        main([*argv, "--help"])
+    out = capsys.readouterr().out
+    for text in shown:
+        assert text in out
+    assert "default: None" not in out and "default: False" not in out and "(default: smollm2-135m)" not in out
