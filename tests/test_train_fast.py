@@ -1048,6 +1048,8 @@ def test_draft_vocab_counts_leave_out_the_split_seeds_heldout_conversations(stor
         answer_tokens = lambda cs: sum(sum(tokenize_conversation(tokenizer, c, 2048).loss_mask)  # noqa: E731
                                        for c in cs)
         assert (result["tokens"], result["heldout_tokens"]) == (answer_tokens(kept), answer_tokens(held))
+        shares = list(result["coverage"].values())  # a 512-token vocabulary: below every listed size (QA 56)
+        assert list(result["coverage"]) == [64, 128, 256] and 0 < shares[0] <= shares[1] <= shares[2] <= 1
     assert sharegpt_split(5, 0, convs)[1] != sharegpt_split(5, 4, convs)[1]
 
 

