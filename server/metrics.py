@@ -11,7 +11,8 @@ Metrics hold counts, sizes and times only: never token ids, text or session ids.
     splitspec_step_latency_seconds{phase}   histogram: queue (arrival -> model work), forward, total
     splitspec_forward_batch_size            histogram: Verify steps scored per target forward
     splitspec_sessions                      open sessions
-    splitspec_kv_tokens / splitspec_kv_bytes  KV cache held + reserved (server/limits.py estimate)
+    splitspec_kv_tokens / splitspec_kv_bytes  KV cache held + reserved (server/limits.py estimate; a
+        session's step buffers and last reply's features count as KV tokens of the same bytes)
 """
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ class ServiceMetrics:
         self.batch_size = Histogram("splitspec_forward_batch_size", "Verify steps scored per target forward",
                                     buckets=BATCH_SIZE_BUCKETS, registry=r)
         self.sessions = Gauge("splitspec_sessions", "Open sessions", registry=r)
-        self.kv_tokens = Gauge("splitspec_kv_tokens", "KV-cache tokens held by sessions plus reserved", registry=r)
+        self.kv_tokens = Gauge("splitspec_kv_tokens", "KV-cache tokens held by sessions plus reserved (with each "
+                               "session's step buffers and last reply's features as tokens of the same bytes)", registry=r)
         self.kv_bytes = Gauge("splitspec_kv_bytes", "KV-cache bytes held plus reserved (estimate)", registry=r)
         self._http = None
 

@@ -85,8 +85,10 @@ class _Entry:
     last_reply: pb.VerifyReply | None = None
     closed: bool = False
     kv_tokens: int = 0  # positions its cache holds, set by the worker after each model call
-    # memory its fixed-shape verify steps hold (CUDA-graph inputs and outputs), as KV tokens of the
-    # same bytes: counted in the server-wide budgets, not in the session's own (a context limit)
+    # memory it holds beside its cache, as KV tokens of the same bytes: its fixed-shape verify steps'
+    # buffers (CUDA-graph inputs and outputs) and its last reply's features (kept for a retried step;
+    # with every layer's K/V of 2,000 forced rows ~100 MB); counted in the server-wide budgets, not in the
+    # session's own (a context limit)
     step_tokens: int = 0
     replied_at: float | None = None  # monotonic time its last Verify reply was ready
     turnaround_s: float | None = None  # moving average of the gap from a reply to the next step's arrival
@@ -607,13 +609,14 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
 
     def _record_step(self, item: _Step, out, started: float) -> pb.VerifyReply:
         entry, session = item.entry, item.entry.session
-        entry.step_tokens = -(-self.runner.step_bytes(session) // self.kv.bytes_per_token)
-        self.kv.settle(item.reservation, functools.partial(_hold, entry, cache_length(session.cache)))
         reply = pb.VerifyReply(
             step=item.step, accepted_nodes=out.accept.accepted_nodes, accepted_tokens=out.accepted_tokens,
             bonus_token=out.accept.bonus_token, bonus_recovered=out.accept.recovered,
             features=out.features.to_pb(item.wire),
             timings=_timings(item.arrived, (started - item.arrived) * 1e3, out.forward_ms))
+        held = self.runner.step_bytes(session) + reply.features.ByteSize()  # the rest: <= REPLY_HEADROOM
+        entry.step_tokens = -(-held // self.kv.bytes_per_token)
+        self.kv.settle(item.reservation, functools.partial(_hold, entry, cache_length(session.cache)))
         session.step = item.step
         entry.last_reply = reply
         t = reply.timings

@@ -213,8 +213,8 @@ def test_a_chunked_prefill_counts_its_prompt_once_against_the_kv_budget(stories,
     time.sleep(0.3)  # admitted (or refused) on arrival, then queued behind the held chunk
     spy.gate.set()
     assert step.result().step == 1 and long_open.result().session_id
-    held = sum(kv.cache_length(e.session.cache) for e in server.servicer.sessions.values())
-    assert server.servicer.kv.tokens == held
+    held = sum(kv.cache_length(e.session.cache) + e.step_tokens for e in server.servicer.sessions.values())
+    assert server.servicer.kv.tokens == held  # the caches and the decoding session's last features, no reservation
     channel.close()
 
 

@@ -613,7 +613,8 @@ def test_kv_budgets(spied, serve):
     assert "server KV tokens" in _refused(C.RESOURCE_EXHAUSTED, lambda: _open(stub, fp, prompt=[7] * 6), spy).details()
     assert _verify(stub, b, 1, tokens=[5], parents=[-1]).step == 1  # fits: 55 + 2 <= 60
     held = sum(kv.cache_length(e.session.cache) for e in server.servicer.sessions.values())
-    assert server.servicer.kv.tokens == held
+    features = server.servicer.sessions[b].last_reply.features.ByteSize()  # kept for a retry
+    assert server.servicer.kv.tokens == held + -(-features // per_token)
     stub.CloseSession(pb.CloseSessionRequest(session_id=a), timeout=10)
     assert _open(stub, fp, prompt=[7] * 6).session_id  # room again
     channel.close()
@@ -659,6 +660,26 @@ def test_a_verify_refused_for_its_reply_size_keeps_no_kv(spied, serve):
     assert server.servicer.kv.tokens == 0
     channel.close()
 
+
+
+def test_a_sessions_last_reply_counts_in_the_server_wide_kv_budget(spied, serve):
+    """The last Verify reply a session keeps for a retried step holds its features of every forced
+    row (with every layer's K/V, ~100 MB for 2,000 rows on a large target); it was counted in no
+    budget (qa56-srv note). It now counts as KV tokens of the same bytes, server-wide."""
+    runner, spy, fp = spied
+    server = serve(runner)
+    channel, stub = _stub(server.address)
+    spec = pb.FeatureSpec(kv_layers=list(range(runner.num_layers)), codec=pb.CODEC_NONE)
+    sid = _open(stub, fp, prompt=[7] * 4, features=spec).session_id
+    reply = stub.Verify(pb.VerifyRequest(session_id=sid, step=1, forced_tokens=[7] * 40), timeout=30)
+    (entry,) = server.servicer.sessions.values()
+    cached, per_token = kv.cache_length(entry.session.cache), server.servicer.kv.bytes_per_token
+    kept = -(-(runner.step_bytes(entry.session) + entry.last_reply.features.ByteSize()) // per_token)
+    assert reply.ByteSize() > 10 * per_token and kept > 10  # the features outweigh ten positions' KV
+    assert server.servicer.kv.tokens == cached + kept
+    stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
+    assert server.servicer.kv.tokens == 0
+    channel.close()
 
 def test_message_size_limits(spied, serve):
     runner, spy, fp = spied
@@ -787,8 +808,10 @@ def test_prometheus_metrics(spied, serve):
         assert m["splitspec_refusals_total{code=INVALID_ARGUMENT,method=Verify}"] == 1
         assert m["splitspec_refusals_total{code=NOT_FOUND,method=Verify}"] == 1
         assert m["splitspec_sessions"] == 1
-        assert m["splitspec_kv_tokens"] == cached == 5 + len(trees) + accepted
-        assert m["splitspec_kv_bytes"] == cached * kv_bytes_per_token(runner.config, runner.dtype)
+        per_token = kv_bytes_per_token(runner.config, runner.dtype)
+        kept = -(-server.servicer.sessions[sid].last_reply.features.ByteSize() // per_token)  # for a retry
+        assert cached == 5 + len(trees) + accepted and m["splitspec_kv_tokens"] == cached + kept
+        assert m["splitspec_kv_bytes"] == (cached + kept) * per_token
         stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
         m = _scrape(port)
         assert m["splitspec_sessions"] == 0 and m["splitspec_kv_tokens"] == 0
