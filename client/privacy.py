@@ -58,6 +58,7 @@ millisecond for a 24-node tree with rows of 64 tokens.
 """
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -67,7 +68,7 @@ from splitspec.shared.tree import ROOT, DraftTree
 
 from .drafters.base import Proposal
 
-PRIVATE_TAG = re.compile(r"<private>(.*?)</private>", re.DOTALL)
+_TAG = re.compile(r"</?private>")
 PLACEHOLDER_TEXT = " _"
 MIN_PHRASE_CHARS = 3  # letters or digits a phrase needs (fewer: too many public words hold it); 4 would miss
 # the first 3 characters of a private word (" ZOR" of "Zorblax") and, measured, removes false matches only for
@@ -85,24 +86,55 @@ class Segment:
     private: bool = False
 
 
-def parse_private_tags(text: str, strict: bool = True) -> list[Segment]:
-    """Split chat text on `<private>...</private>` tags.
+def parse_private_tags(text: str, strict: bool = True, spans: Sequence[tuple[int, int]] = ()) -> list[Segment]:
+    """Split chat text on `<private>...</private>` tags (the tags are markup, not text).
 
-    `strict` False (an assistant message: the model may write a tag as text) keeps an unmatched tag
-    as text; a private segment holding a nested tag stays private, tag text included.
+    `spans`: character ranges [start, end) of `text` (tags included in the count) that are private
+    too, beside the tags (the daemon's `private_spans`); in order and non-overlapping.
+
+    `strict` True (what a user typed) refuses an unmatched or nested tag. `strict` False (an
+    assistant message, a whole-private message: text that may hold a tag written as text) fails
+    closed, so that no tag can end a span early and send the rest in clear: an unmatched
+    `<private>` makes the rest of the text private, a `</private>` with no span open makes the text
+    since the previous tag (or the start) private, and a nested tag is markup inside its span.
 
     Raises:
         ValueError: an unmatched or nested tag, when `strict`.
     """
-    segments, last = [], 0
-    for match in PRIVATE_TAG.finditer(text):
-        segments.append(Segment(text[last:match.start()]))
-        segments.append(Segment(match.group(1), private=True))
-        last = match.end()
-    segments.append(Segment(text[last:]))
-    if strict and any("<private>" in s.text or "</private>" in s.text for s in segments):
-        raise ValueError("unmatched or nested <private> tag")
-    return [s for s in segments if s.text]
+    private = bytearray(len(text))  # 1: a private character; markup characters are left out below
+    markup = bytearray(len(text))
+    for start, end in spans:
+        private[start:end] = b"\x01" * (end - start)
+    depth, boundary = 0, 0  # open spans; where the text since the previous tag begins
+    for match in _TAG.finditer(text):
+        markup[match.start():match.end()] = b"\x01" * (match.end() - match.start())
+        opening = match.group() == "<private>"
+        if strict and (depth if opening else not depth):
+            raise ValueError("unmatched or nested <private> tag")
+        if depth:  # the text since the previous tag was inside a span
+            private[boundary:match.start()] = b"\x01" * (match.start() - boundary)
+        elif not opening:  # a closing tag with no span open: fail closed
+            private[boundary:match.start()] = b"\x01" * (match.start() - boundary)
+        depth = depth + 1 if opening else max(depth - 1, 0)
+        boundary = match.end()
+    if depth:
+        if strict:
+            raise ValueError("unmatched or nested <private> tag")
+        private[boundary:] = b"\x01" * (len(text) - boundary)
+    kept = ((ch, private[i]) for i, ch in enumerate(text) if not markup[i])
+    return [Segment("".join(ch for ch, _ in run), bool(flag))
+            for flag, run in itertools.groupby(kept, key=lambda pair: pair[1])]
+
+
+def untagged(text: str, strict: bool = True, spans: Sequence[tuple[int, int]] = ()
+             ) -> tuple[str, list[tuple[int, int]]]:
+    """`parse_private_tags` as (the text without tags, its private character spans [start, end))."""
+    clean, out = "", []
+    for segment in parse_private_tags(text, strict, spans):
+        if segment.private:
+            out.append((len(clean), len(clean) + len(segment.text)))
+        clean += segment.text
+    return clean, out
 
 
 @dataclass(frozen=True)
@@ -550,7 +582,8 @@ def placeholder_token(tokenizer) -> int:
 def encode_private_chat(tokenizer, messages: list[dict]) -> tuple[list[int], list[bool]]:
     """Render a chat whose message contents may hold `<private>` tags; return (prompt ids [P],
     private mask [P]). A token is private when it overlaps a private character span (fast
-    tokenizers' offset mapping).
+    tokenizers' offset mapping). A message with a "private_spans" key ([(start, end)] character
+    ranges of its content) is taken as untagged text with those spans (`untagged`'s output).
 
     Each message with private spans is found in the rendered prompt by rendering the chat once more
     with a marker around that message's content, not by searching for its text: the same text can
@@ -564,16 +597,14 @@ def encode_private_chat(tokenizer, messages: list[dict]) -> tuple[list[int], lis
     """
     spans_by_message, clean = [], []
     for message in messages:
-        # an answer's tags are the client's own (tag_private_answer) around text the model may have
-        # written with a literal tag in it: such a tag is text, not a refusal of the next turn
-        segments = parse_private_tags(message["content"], strict=message["role"] != "assistant")
-        spans, text = [], ""
-        for segment in segments:
-            if segment.private:
-                spans.append((len(text), len(text) + len(segment.text)))
-            text += segment.text
+        if "private_spans" in message:  # untagged already, its spans given (the daemon's schema)
+            text, spans = message["content"], [tuple(span) for span in message["private_spans"]]
+        else:
+            # an answer's tags are the client's own (tag_private_answer) around text the model may
+            # have written a tag in: no refusal of the next turn, and failing closed (parse_private_tags)
+            text, spans = untagged(message["content"], strict=message["role"] != "assistant")
         spans_by_message.append((text, spans))
-        clean.append({**message, "content": text})
+        clean.append({**{k: v for k, v in message.items() if k != "private_spans"}, "content": text})
     rendered = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=False)
     char_spans = []
     for k, start in _content_starts(tokenizer, clean, rendered,

@@ -193,6 +193,29 @@ def test_private_spans_by_field_and_by_tag_alike(runner, start):
     assert _post(server, later).status_code == 200
 
 
+
+@pytest.mark.parametrize("role, ext, content", [
+    ("assistant", {"private": True}, "Close it with </private>. Your card is 4929-7731-0082-5516."),
+    ("assistant", {"private_spans": [[0, 59]]}, "Close it with </private>. Your card is 4929-7731-0082-5516."),
+    ("assistant", {}, "Noted: <private>card 4929-7731-0082-5516"),  # an unclosed tag: the rest is private
+    ("user", {"private": True}, "What does </private> do? My card is 4929-7731-0082-5516."),
+    ("user", {"private": True}, "My PIN is <private>4711</private>, card 4929-7731-0082-5516"),
+])
+def test_a_private_message_stays_private_whatever_tags_it_holds(runner, role, ext, content):
+    """QA 57 finding 1 (a leak): the daemon wrote a message's private fields as tags and parsed them
+    again, so a literal </private> in the text ended the span and the rest, a card number, went to
+    the verify service in clear; a whole-private message holding tags was refused (finding 6)."""
+    from splitspec.client.privacy import encode_private_chat
+
+    messages = [{"role": "user", "content": "What card did I give you?"},
+                {"role": role, "content": content, **({"splitspec": ext} if ext else {})},
+                {"role": "user", "content": "thanks"}]
+    completion = parse_request(json.dumps({"model": runner.model_id, "messages": messages}).encode())
+    ids, mask = encode_private_chat(runner.tokenizer, completion.messages)
+    public = runner.tokenizer.decode([t for t, m in zip(ids, mask) if not m])
+    assert "4929" not in public and "0082" not in public and "card is" not in public
+    assert "What card did I give you?" in public and "thanks" in public
+
 @pytest.mark.parametrize("body, status, param, code", [
     (b"{not json", 400, None, None),
     ({"model": "M", "messages": []}, 400, "messages", "invalid_value"),

@@ -130,19 +130,41 @@ def test_private_span_is_masked_where_its_message_is(name, stories, request):
 
 def test_an_answer_may_hold_a_tag_as_text(stories):
     """The model may write "<private>" in an answer; the next turn sends the answer back, and a
-    user's unmatched tag is refused while the answer's is text (the client's own tags still count)."""
+    user's unmatched tag is refused while the answer's is read failing closed: no tag the model
+    wrote can end a span early (QA 57: a literal </private> in a private span sent the rest in
+    clear), so an unmatched opening tag makes the rest private and a stray closing tag the text
+    before it."""
     tokenizer = stories[1]
     answer = "Write <private> before the secret, then <private>4711</private>."
     chat = [{"role": "user", "content": "How do I mark text?"}, {"role": "assistant", "content": answer},
             {"role": "user", "content": "thanks"}]
-    assert parse_private_tags(answer, strict=False)[0] == Segment("Write ")
+    assert parse_private_tags(answer, strict=False) == [Segment("Write "),
+                                                         Segment(" before the secret, then 4711.", True)]
     ids, mask = encode_private_chat(tokenizer, chat)
     assert "4711" in tokenizer.decode([t for t, m in zip(ids, mask) if m])
     assert "4711" not in tokenizer.decode([t for t, m in zip(ids, mask) if not m])
-    lone = [chat[0], {"role": "assistant", "content": "use a </private> tag"}, chat[2]]
-    assert not any(encode_private_chat(tokenizer, lone)[1])
+    assert parse_private_tags("use a </private> tag", strict=False) == [Segment("use a ", True), Segment(" tag")]
+    wrapped = "<private>Close it with </private>. Your card is 4929-7731.</private>"  # a span around a literal tag
+    assert parse_private_tags(wrapped, strict=False) == [Segment("Close it with . Your card is 4929-7731.", True)]
+    lone = [chat[0], {"role": "assistant", "content": wrapped}, chat[2]]
+    ids, mask = encode_private_chat(tokenizer, lone)
+    assert "4929" not in tokenizer.decode([t for t, m in zip(ids, mask) if not m])
     with pytest.raises(ValueError, match="unmatched"):
         encode_private_chat(tokenizer, [{"role": "user", "content": "use a </private> tag"}])
+
+
+def test_untagged_text_with_spans_beside_tags():
+    from splitspec.client.privacy import untagged
+
+    assert untagged("My PIN is 4711, ok", spans=[(10, 14)]) == ("My PIN is 4711, ok", [(10, 14)])
+    # spans count the tags' characters; spans and tags together, and one that overlaps a tag
+    assert untagged("My PIN is <private>4711</private>, zip 99", spans=[(39, 41)]) == \
+        ("My PIN is 4711, zip 99", [(10, 14), (20, 22)])
+    assert untagged("a <private>b</private> c", spans=[(0, 12)]) == ("a b c", [(0, 3)])
+    assert untagged("<private>x", strict=False, spans=[(0, 10)]) == ("x", [(0, 1)])
+    with pytest.raises(ValueError, match="unmatched"):
+        untagged("<private>x", spans=[(0, 10)])
+    assert untagged("") == ("", [])
 
 
 def test_private_spans_need_a_template_that_copies_contents(stories):

@@ -346,7 +346,9 @@ class Engine:
             return None, None
         users = [m for m in completion.messages if m["role"] == "user"]
         if users:
-            self.history.add_message(completion.conversation, "user", users[-1]["content"])
+            last = users[-1]  # the history keeps tags (what the chat page shows and sends back)
+            self.history.add_message(completion.conversation, "user",
+                                     with_private_tags(last["content"], last.get("private_spans", ())))
         message = self.history.add_message(completion.conversation, "assistant", "", complete=False)
         return self.history.answer_writer(message), message
 

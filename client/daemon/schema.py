@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
-from ..privacy import parse_private_tags, with_private_tags
+from ..privacy import untagged
 
 ROLES = ("system", "developer", "user", "assistant")
 
@@ -178,8 +178,11 @@ def parse_request(body: bytes) -> Completion:
                       req.splitspec.conversation if req.splitspec else None)
 
 
-def _message(index: int, message: Message) -> dict[str, str]:
-    """role + content with the private spans of the message's extension written as tags."""
+def _message(index: int, message: Message) -> dict:
+    """role, content without tags, and "private_spans": the character ranges [start, end) of that
+    content that are private, from its `<private>` tags and its extension's fields together (the
+    form client/privacy.py `encode_private_chat` takes). The spans are never written back as tags
+    and parsed again: text holding a literal tag would end a span early."""
     param = f"messages.{index}"
     content = message.content or ""
     if not _unicode(content):  # the tokenizer would fail on it
@@ -194,13 +197,15 @@ def _message(index: int, message: Message) -> dict[str, str]:
                                 f"non-overlapping and within the content ({len(content)} characters)",
                            param=f"{param}.splitspec.private_spans", code="invalid_value")
         last = end
-    content = with_private_tags(content, spans)
-    try:  # an assistant message may hold a tag the model wrote as text (encode_private_chat)
-        parse_private_tags(content, strict=message.role != "assistant")
+    # what a user typed must be well-formed; an answer (the model may write a tag as text) and a
+    # wholly private message (it may mention a tag) are read failing closed (parse_private_tags)
+    strict = message.role != "assistant" and not ext.private
+    try:
+        content, private = untagged(content, strict=strict, spans=spans)
     except ValueError as err:
         raise ApiError(400, f"{param}.content: {err}", param=f"{param}.content", code="invalid_value") from None
     role = "system" if message.role == "developer" else message.role
-    return {"role": role, "content": content}
+    return {"role": role, "content": content, "private_spans": private}
 
 
 def _unicode(text: str) -> bool:
