@@ -945,3 +945,29 @@ def test_an_answer_cut_inside_a_character_does_not_end_in_u_fffd():
     complete = AnswerText(_ByteTokenizer())
     deltas = complete.feed(StreamEvent(EventKind.TOKENS, 0, tuple(whole)))
     assert "".join(d.content for d in deltas + complete.finish()) == "ハット" == complete.text
+
+
+def test_held_back_private_text_keeps_its_source():
+    """QA 57 finding 4: text held back as a possible stop string's start went out with the next
+    tokens' text under their source, so a locally written private name was streamed as 'target'."""
+    from splitspec.client.answer import EventKind, Provenance, StreamEvent
+    from splitspec.client.daemon.text import AnswerText
+
+    text = AnswerText(_ByteTokenizer(), stop=("bush!",))
+    pieces = []
+    for source, words in [(Provenance.TARGET, "My name is"), (Provenance.PRIVATE, " Hortensia Quackenbush"),
+                          (Provenance.TARGET, " and"), (Provenance.OFFLINE, " more")]:
+        start = len(text.ids)
+        pieces += text.feed(StreamEvent(EventKind.TOKENS, start, tuple(words.encode()), source))
+    pieces += text.finish()
+    by_source = {}
+    for delta in pieces:
+        by_source[delta.source] = by_source.get(delta.source, "") + delta.content
+    assert by_source == {"target": "My name is and", "private": " Hortensia Quackenbush", "offline": " more"}
+    assert [d.offset for d in pieces] == sorted(d.offset for d in pieces)
+    # offline text verified while still held back goes out as the target's
+    held = AnswerText(_ByteTokenizer(), stop=("ab",))
+    out = held.feed(StreamEvent(EventKind.TOKENS, 0, tuple(b"xa"), Provenance.OFFLINE))
+    out += held.feed(StreamEvent(EventKind.VERIFIED, 0, count=2))
+    out += held.finish()
+    assert [(d.content, d.source) for d in out if not d.event] == [("x", "offline"), ("a", "target")]

@@ -7,9 +7,9 @@ withdrawn by a `retract` delta (docs/daemon.md).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from ..answer import EventKind, StreamEvent
+from ..answer import AnswerTokens, EventKind, StreamEvent
 
 
 @dataclass(frozen=True)
@@ -39,17 +39,24 @@ class Delta:
         return {"source": self.source, "offset": self.offset}
 
 
-@dataclass
 class AnswerText:
-    """Folds StreamEvents into text deltas. `stop`: strings that end the answer (not included)."""
+    """Folds StreamEvents into text deltas. `stop`: strings that end the answer (not included).
 
-    tokenizer: object
-    stop: tuple[str, ...] = ()
-    ids: list[int] = field(default_factory=list)
-    sent: int = 0  # characters of the answer already sent
-    stop_at: int | None = None  # where the first stop string begins, once seen
-    retracted: bool = False
-    source: str = "target"  # who wrote the last tokens
+    Each delta's `source` is that of the tokens that wrote its text: text held back (a possible
+    stop string's start, an incomplete character) and sent with later tokens' text is split where
+    the writer changes, so private text is never labelled another source (QA 57 finding 4)."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()) -> None:
+        self.tokenizer, self.stop = tokenizer, stop
+        self.tokens = AnswerTokens()  # ids and each one's provenance, relabels applied
+        self.sent = 0  # characters of the answer already sent
+        self.stop_at: int | None = None  # where the first stop string begins, once seen
+        self.retracted = False
+        self._offsets: dict[int, int] = {}  # token count k -> characters ids[:k] decode to
+
+    @property
+    def ids(self) -> list[int]:
+        return self.tokens.ids
 
     @property
     def stopped(self) -> bool:
@@ -58,12 +65,11 @@ class AnswerText:
 
     def feed(self, event: StreamEvent) -> list[Delta]:
         """The deltas `event` makes; raises nothing."""
+        self.tokens(event)
         if event.kind == EventKind.TOKENS:
-            self.ids.extend(event.tokens)
-            self.source = str(event.source)
-            return self._flush(self.source, final=False)
+            return self._flush(final=False)
         if event.kind == EventKind.RETRACT:
-            del self.ids[event.start:]
+            self._offsets = {k: c for k, c in self._offsets.items() if k <= event.start}
             at = self._chars(event.start)
             self._find_stop()
             if at >= self.sent:
@@ -76,7 +82,7 @@ class AnswerText:
 
     def finish(self) -> list[Delta]:
         """What is still held back once the answer is complete."""
-        return self._flush(self.source, final=True)
+        return self._flush(final=True)
 
     @property
     def text(self) -> str:
@@ -86,16 +92,31 @@ class AnswerText:
         text = self._text()
         return text[: self.stop_at] if self.stop_at is not None else text.rstrip("\ufffd")
 
-    def _flush(self, source: str, final: bool) -> list[Delta]:
+    def _flush(self, final: bool) -> list[Delta]:
         text = self._text()
         self._find_stop(text)
         end = self.stop_at if self.stop_at is not None else (
             len(text.rstrip("\ufffd")) if final else self._safe_end(text))
         if end <= self.sent:
             return []
-        delta = Delta(text[self.sent: end], self.sent, source)
+        deltas = []
+        for start, stop, source in self._runs(self.sent, end):
+            deltas.append(Delta(text[start:stop], start, source))
         self.sent = end
-        return [delta]
+        return deltas
+
+    def _runs(self, start: int, end: int) -> list[tuple[int, int, str]]:
+        """The characters [start, end) cut where the tokens' writer changes: (start, end, source)."""
+        sources = self.tokens.sources
+        changes = [(self._chars(k), sources[k]) for k in range(1, len(sources)) if sources[k] != sources[k - 1]]
+        bounds = [(0, sources[0])] + changes if sources else [(0, "target")]
+        runs = []
+        for i, (at, source) in enumerate(bounds):
+            upto = bounds[i + 1][0] if i + 1 < len(bounds) else end
+            lo, hi = max(at, start), min(upto, end)
+            if hi > lo:
+                runs.append((lo, hi, source))
+        return runs
 
     def _safe_end(self, text: str) -> int:
         """The end of the text that can be sent now: before an incomplete character and before a
@@ -114,7 +135,11 @@ class AnswerText:
         self.stop_at = min(hits) if hits else None
 
     def _chars(self, tokens: int) -> int:
-        return len(self.tokenizer.decode(self.ids[:tokens], skip_special_tokens=True))
+        """Characters the first `tokens` ids decode to (cached: a prefix decodes the same until a
+        retraction cuts into it)."""
+        if tokens not in self._offsets:
+            self._offsets[tokens] = len(self.tokenizer.decode(self.ids[:tokens], skip_special_tokens=True))
+        return self._offsets[tokens]
 
     def _text(self) -> str:
         return self.tokenizer.decode(self.ids, skip_special_tokens=True)
