@@ -83,7 +83,13 @@ def _show_defaults(parser: argparse.ArgumentParser) -> None:
         if (action.help == argparse.SUPPRESS or default is None or default is False or default in ("", [])
                 or default == argparse.SUPPRESS or "default" in text.lower()):
             continue
-        action.help = f"{text} (default: %(default)s)" if text else "default: %(default)s"
+        if isinstance(default, (list, tuple)):  # a parsed comma list: shown as it is typed
+            if not all(isinstance(v, (int, float, str)) for v in default):
+                continue  # a parsed structure ((1, 'ragged'), ...) would not read as input
+            shown = ",".join(map(str, default)).replace("%", "%%")
+        else:
+            shown = "%(default)s"
+        action.help = f"{text} (default: {shown})" if text else f"default: {shown}"
 
 
 def load_local_verifier(target: str, device: str, dtype: str):

@@ -386,6 +386,7 @@ def test_train_command_defaults_are_the_trainers():
     (["generate"], ["--max-new-tokens MAX_NEW_TOKENS", "default: 256", "0 = greedy (default: 0.0)", "(default: int8)"]),
     (["netsim", "run"], ["(default: 600.0)"]),
     (["offline-eval"], ["(default smollm2-135m)"]),  # a help that names its default keeps its own words
+    (["serve-bench"], ["(default: 1,4,8,16)"]),  # a list as it is typed (QA 57: "[1, 4, 8, 16]")
 ])
 def test_help_names_each_default_once(argv, shown, capsys, monkeypatch):
     """QA 56: --help omitted the defaults of most options (--max-new-tokens, --lsa-placement, ...)."""
@@ -396,3 +397,4 @@ def test_help_names_each_default_once(argv, shown, capsys, monkeypatch):
     for text in shown:
         assert text in out
     assert "default: None" not in out and "default: False" not in out and "(default: smollm2-135m)" not in out
+    assert "default: [" not in out and "default: (" not in out
