@@ -45,7 +45,7 @@ proto: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/splitspec bench --profiles lan,5g,4g --categories writing,math_reasoning,summarization,humaneval \
-		--max-new-tokens 48 --out out/bench
+		--max-new-tokens 48 --out out/bench --overwrite
 
 clean:
 	rm -rf $(VENV) build *.egg-info out .pytest_cache

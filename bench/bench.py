@@ -49,7 +49,7 @@ from .cli import BACKENDS
 from .metrics import BASELINE, BenchRecord, token_gaps_ms
 from .out_paths import writable_dir
 from .prompts import load_prompts
-from .report import inexact_answers, render_markdown, write_plots
+from .report import PLOTS, inexact_answers, render_markdown, write_plots
 from .service_process import free_port, sigterm_exits, start_server, stop_server
 
 WARMUP_TOKENS = 4
@@ -157,7 +157,8 @@ class BenchConfig:
                      "--top-k": self.sampling.top_k}
         words = ["splitspec", "bench"]
         for flag, value in opts.items():
-            if value not in (None, ""):
+            # an empty method list means none, and leaving the flag out would mean the defaults
+            if value not in (None, "") or flag in ("--methods", "--local-methods"):
                 words += [flag, str(value)]
         return shlex.join(words)
 
@@ -262,6 +263,12 @@ def cmd_bench(args) -> None:
     cfg = BenchConfig.from_args(args)
     if cfg.out:
         writable_dir(cfg.out)
+        earlier = [cfg.out / name for name in OUTPUTS if (cfg.out / name).exists()]
+        if earlier and not args.overwrite:
+            raise ValueError(f"{cfg.out} holds an earlier run ({', '.join(p.name for p in earlier)}): --overwrite "
+                             "replaces it, or choose another --out")
+        for path in earlier:  # none of the earlier run's files may stay beside this run's
+            path.unlink()
     prompts = load_prompts(list(cfg.datasets), cfg.limit, cfg.spec_bench, cfg.categories)
     torch.set_num_threads(cfg.threads)
     records: list[BenchRecord] = []  # filled answer by answer, so that an interrupted run keeps what it measured
@@ -351,6 +358,10 @@ def build_arms(cfg: BenchConfig, stack: contextlib.ExitStack, model, tokenizer, 
                             link=profile.to_dict() if profile else None, lsa=spec.lsa if spec.kind == "moa" else None,
                             quant=spec.quant if spec.kind in SELF_DRAFTING else None, switches=switches))
     return arms
+
+
+# what a run writes into --out (plots only with split rows, drafters.json only with adaptive drafters)
+OUTPUTS = ("results.jsonl", "table.md", "drafters.json", *PLOTS)
 
 
 def keep_interrupted(cfg: BenchConfig, records: list[BenchRecord]) -> None:

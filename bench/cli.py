@@ -287,6 +287,8 @@ def _add_bench_parser(sub) -> None:
                    help="profile the goal lines are checked under, one of --profiles (default: 4g; its split goals "
                         "are then not measured unless 4g is in --profiles)")
     p.add_argument("--out", default=None, help="write results.jsonl, table.md and PNG plots here")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run an --out already holds, its files removed first (refused without)")
     p.set_defaults(func=cmd_bench)
 
 

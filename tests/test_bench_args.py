@@ -569,3 +569,39 @@ def test_serve_bench_interleaves_its_points_and_reports_them_by_server(monkeypat
     rows = [line.split("|")[1:3] for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "max" not in line]
     assert [(a.strip(), b.strip()) for a, b in rows] == [("1", "1"), ("1", "4"), ("8, window 5 ms", "1"),
                                                         ("8, window 5 ms", "4")]
+
+
+def test_bench_command_line_repeats_empty_method_lists():
+    """QA 57 bench finding 2: `--methods ''` (no split method) was left out of the printed command,
+    and the command then ran every default split method."""
+    import shlex
+
+    from splitspec.cli.main import build_parser
+
+    parser = build_parser()
+    for argv in (["bench", "--methods", "none,ngram", "--local-methods", ""], ["bench", "--methods", "", "--local-methods", "moa"]):
+        cfg = bench_mod.BenchConfig.from_args(parser.parse_args(argv))
+        again = bench_mod.BenchConfig.from_args(parser.parse_args(shlex.split(cfg.command())[1:]))
+        assert again == cfg
+
+
+def test_bench_keeps_an_earlier_run_unless_overwrite(tmp_path, monkeypatch, capsys, spec_bench):
+    """QA 57 bench finding 3: a second run replaced the first silently, and an interrupted one left its
+    partial results.jsonl beside the earlier run's table and plots."""
+    rows = [record("local", "generate()", None), record("local", "ngram", None)]
+    monkeypatch.setattr(bench_mod, "load_model", lambda target: (None, None, "tiny"))
+    monkeypatch.setattr(bench_mod, "build_arms", lambda *args: [])
+    monkeypatch.setattr(bench_mod, "run_arms", lambda *args: rows)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "table.md").write_text("earlier\n")
+    (out / "itl_p99.png").write_text("earlier")
+    (out / "notes.txt").write_text("mine")
+    argv = ["bench", "--methods", "", "--local-methods", "ngram", "--datasets", "spec_bench", "--categories",
+            "writing", "--spec-bench", str(spec_bench), "--out", str(out)]
+    assert main(argv) == 2
+    assert "holds an earlier run (table.md, itl_p99.png): --overwrite" in capsys.readouterr().err
+    assert (out / "table.md").read_text() == "earlier\n"
+    assert main(argv + ["--overwrite"]) == 0
+    assert (out / "table.md").read_text() != "earlier\n" and not (out / "itl_p99.png").exists()
+    assert (out / "notes.txt").read_text() == "mine"  # only the files a run writes are removed
