@@ -322,8 +322,8 @@ def _add_offline_eval_parser(sub) -> None:
     p.add_argument("--out", default="out/offline-eval", help="folder for results.jsonl, run.json and summary.md")
     p.add_argument("--rescore", action="store_true",
                    help="generate nothing: score the answers already in --out/results.jsonl again (the harness and "
-                        "completion rule of this version) and rewrite summary.md; --limit, --problems and "
-                        "--exec-timeout apply, the generation flags (--target, --drafters, --cut-after, "
+                        "completion rule of this version) and rewrite summary.md; --problems and --exec-timeout "
+                        "apply (and --limit, which must cover the stored answers' problems), the generation flags (--target, --drafters, --cut-after, "
                         "--max-new-tokens, --threads) are refused")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the run an --out already holds (refused without: a run costs tens of minutes)")

@@ -93,6 +93,10 @@ class EvalConfig:
             raise ValueError("need 1 <= --cut-after < --max-new-tokens")
         if self.limit < 1 or self.exec_timeout_s <= 0 or self.threads < 1:
             raise ValueError("--limit, --exec-timeout and --threads must be positive")
+        for name in self.drafters:  # before any model loads (run_experiment checks what `auto` became)
+            if DrafterSpec.parse(name).kind in ("none", "ngram"):
+                raise ValueError(f"drafter {name!r} cannot write alone; offline-eval needs draft-model, moa, "
+                                 "eagle2 or falcon")
 
     overwrite: bool = False
 
@@ -475,13 +479,13 @@ def cmd_offline_eval(args) -> None:
     """Raises ValueError, OSError: bad arguments, problems or --out, before any model loads."""
     cfg = EvalConfig.from_args(args)
     problems = load_problems(cfg.problems, cfg.limit)  # refuses an empty or malformed file
+    if cfg.rescore:
+        records, meta = load_run(cfg.out)  # before writable_dir, which would create a missing --out
     writable_dir(cfg.out)
     if not cfg.rescore and not cfg.overwrite and (cfg.out / "results.jsonl").exists():
         raise ValueError(f"{cfg.out} holds the answers of an earlier run: --rescore scores them again, "
                          "--overwrite replaces them, or choose another --out")
-    if cfg.rescore:
-        records, meta = load_run(cfg.out)
-    else:
+    if not cfg.rescore:
         records, meta = run_experiment(cfg, problems)
     by_id = {p["task_id"]: p for p in problems}
     unknown = {r["task_id"] for r in records} - by_id.keys()
@@ -489,10 +493,7 @@ def cmd_offline_eval(args) -> None:
         raise ValueError(f"{len(unknown)} answers are for problems outside --problems/--limit, e.g. {min(unknown)}")
     harness = score(records, by_id, cfg.exec_timeout_s)
     report = render_report(cfg, meta, harness, summarize(records))
-    with open(cfg.out / "results.jsonl", "w") as f:
-        for record in records:
-            f.write(json.dumps(record) + "\n")
-    (cfg.out / "run.json").write_text(json.dumps(meta, indent=1) + "\n")
+    write_run(cfg.out, records, meta)
     (cfg.out / "summary.md").write_text(report)
     print(report)
 
@@ -531,11 +532,30 @@ def run_experiment(cfg: EvalConfig, problems: list[dict]) -> tuple[list[dict], d
         SpeculativeDecoder(CutLink(local, WARMUP_TOKENS // 2), decoder.drafter, policy).generate(warm, WARMUP_TOKENS)
     start = time.perf_counter()
     records = []
-    for problem in tqdm(problems, desc="offline-eval", unit="problem", file=sys.stderr):
-        records += run_problem(problem, tokenizer, model, eos, decoders, verifier, cfg.max_new_tokens)
-    meta = {"model_id": model_id, "wall_s": round(time.perf_counter() - start, 1), "threads": cfg.threads,
-            "command": cfg.command(), "cut_after": cfg.cut_after, "max_new_tokens": cfg.max_new_tokens}
+    meta = {"model_id": model_id, "threads": cfg.threads, "command": cfg.command(), "cut_after": cfg.cut_after,
+            "max_new_tokens": cfg.max_new_tokens}
+    done = 0
+    try:
+        for problem in tqdm(problems, desc="offline-eval", unit="problem", file=sys.stderr):
+            records += run_problem(problem, tokenizer, model, eos, decoders, verifier, cfg.max_new_tokens)
+            done += 1
+    except KeyboardInterrupt:  # keep the problems answered: minutes each with several drafters
+        if done:
+            meta |= {"wall_s": round(time.perf_counter() - start, 1), "interrupted_after": done}
+            write_run(cfg.out, records, meta)
+            print(f"offline-eval: interrupted; the answers to {done} of {len(problems)} problems are in {cfg.out} "
+                  f"(`--rescore --out {cfg.out}` scores them)", file=sys.stderr)
+        raise
+    meta["wall_s"] = round(time.perf_counter() - start, 1)
     return records, meta
+
+
+def write_run(out: Path, records: list[dict], meta: dict) -> None:
+    """results.jsonl and run.json of a run (what `load_run` reads back)."""
+    with open(out / "results.jsonl", "w") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+    (out / "run.json").write_text(json.dumps(meta, indent=1) + "\n")
 
 
 def render_report(cfg: EvalConfig, meta: dict, harness: str, rows: list[dict]) -> str:
@@ -546,6 +566,8 @@ def render_report(cfg: EvalConfig, meta: dict, harness: str, rows: list[dict]) -
     problems = max((r["problems"] for r in rows), default=0)
     timing = rows[0]["target_timing"] if rows else "decoding only"
     rescored = " (answers scored again by --rescore)" if cfg.rescore else ""
+    if meta.get("interrupted_after"):
+        rescored += f"; the run was interrupted after {meta['interrupted_after']} problems"
     notes = [
         f"Command: `{meta['command']}`{rescored}",
         f"Target {meta['model_id']}, greedy, single-device; link cut after {meta['cut_after']} generated tokens, "

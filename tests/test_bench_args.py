@@ -605,3 +605,37 @@ def test_bench_keeps_an_earlier_run_unless_overwrite(tmp_path, monkeypatch, caps
     assert main(argv + ["--overwrite"]) == 0
     assert (out / "table.md").read_text() != "earlier\n" and not (out / "itl_p99.png").exists()
     assert (out / "notes.txt").read_text() == "mine"  # only the files a run writes are removed
+
+
+def test_offline_eval_refuses_ngram_before_loading_and_rescore_creates_nothing(tmp_path, monkeypatch, capsys):
+    """QA 57 bench finding 10: `--drafters ngram` was refused only after the target loaded, and
+    `--rescore` on a missing --out created the folder before refusing."""
+    monkeypatch.setattr(offline_eval, "load_model", _no_model)
+    assert main(["offline-eval", "--drafters", "moa,ngram", "--out", str(tmp_path / "o")]) == 2
+    assert "'ngram' cannot write alone" in capsys.readouterr().err
+    assert main(["offline-eval", "--rescore", "--out", str(tmp_path / "missing")]) == 2
+    assert not (tmp_path / "missing").exists()
+
+
+def test_an_interrupted_offline_eval_keeps_the_problems_answered(tmp_path, monkeypatch, capsys, stories_path):
+    """QA 57 bench finding 1: Ctrl-C after some problems wrote nothing; their answers are now kept
+    for --rescore."""
+    problems = tmp_path / "p.jsonl"
+    problems.write_text("".join(json.dumps({"task_id": f"t/{i}", "prompt": "def f():\n", "test": "", "entry_point": "f"})
+                                + "\n" for i in range(3)))
+    answered = []
+
+    def run_problem(problem, *args):
+        if len(answered) == 2:
+            raise KeyboardInterrupt
+        answered.append(problem["task_id"])
+        return [{"drafter": offline_eval.REFERENCE, "task_id": problem["task_id"]}]
+
+    monkeypatch.setattr(offline_eval, "run_problem", run_problem)
+    out = tmp_path / "out"
+    assert main(["offline-eval", "--target", str(stories_path), "--drafters", f"draft-model:{stories_path}@layers=3",
+                 "--cut-after", "2", "--max-new-tokens", "4", "--problems", str(problems), "--limit", "3",
+                 "--out", str(out)]) == 130
+    kept = [json.loads(line)["task_id"] for line in (out / "results.jsonl").read_text().splitlines()]
+    assert kept == ["t/0", "t/1"] and json.loads((out / "run.json").read_text())["interrupted_after"] == 2
+    assert "the answers to 2 of 3 problems are in" in capsys.readouterr().err
