@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     try:
         return args.func(args) or 0
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a command that keeps partial results has said where, above
+        print("splitspec: interrupted", file=sys.stderr)
         return 130
     except (ValueError, RuntimeError, OSError) as err:
         print(f"splitspec: error: {err}", file=sys.stderr)

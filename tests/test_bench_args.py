@@ -387,7 +387,9 @@ def test_an_interrupted_bench_keeps_the_answers_it_finished(tmp_path, monkeypatc
             main(argv)
     kept = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert [r["method"] for r in kept] == ["generate()", "ngram"] and not (out / "table.md").exists()
-    assert "the 2 answers finished are in" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "the 2 answers finished are in" in err
+    assert ("splitspec: interrupted" in err) == (stop is KeyboardInterrupt)  # QA 57: Ctrl-C exited without a word
 
 # --- 8. output paths checked before measuring ---------------------------------------------------------
 
