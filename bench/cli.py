@@ -296,7 +296,8 @@ def _add_demo_parser(sub) -> None:
     p = sub.add_parser("demo", help="serve the target and answer real prompts through the split loop")
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--drafter", default=None, help="default: the generate command's default drafter")
-    p.add_argument("--limit", type=at_least(1, int), default=1, help="prompts per dataset")
+    p.add_argument("--limit", type=at_least(1, int), default=1,
+                   help="N: 2 x N Spec-Bench first turns spread over the categories, then N HumanEval problems")
     p.add_argument("--max-new-tokens", type=at_least(1, int), default=160)
     p.add_argument("--spec-bench", default=None, help="path to Spec-Bench question.jsonl")
     p.set_defaults(func=cmd_demo)

@@ -31,6 +31,17 @@ def demo_prompts(limit: int, spec_bench: str | None) -> list[dict]:
     return prompts + load_prompts(["humaneval"], limit)
 
 
+def demo_drafter(name: str | None, target: str) -> tuple[DrafterSpec, bool]:
+    """The demo's drafter (default auto) and whether the server runs its LSA. The shipped MoA
+    drafter runs its LSA on the server: E values per token cross the wire, not every layer's K/V
+    (20x fewer bytes, same drafts; docs/benchmarks.md, "Feature quantization and LSA placement"),
+    unless the user chose a placement (`moa;lsa=client`)."""
+    drafter = DrafterSpec.parse(name or "auto")
+    on_server = (drafter.name in ("auto", "moa") and has_shipped_checkpoint(target)
+                 and "lsa=" not in (name or ""))
+    return (replace(drafter, lsa="server") if on_server else drafter), on_server
+
+
 def cmd_demo(args) -> None:
     prompts = demo_prompts(args.limit, args.spec_bench)
     with sigterm_exits():
@@ -39,15 +50,11 @@ def cmd_demo(args) -> None:
 
 def _demo(args, prompts: list[dict]) -> None:
     pull(args.target)
-    drafter = DrafterSpec.parse(args.drafter or "auto")
-    # the shipped MoA drafter runs its LSA on the server: E values per token cross the wire, not every
-    # layer's K/V (20x fewer bytes, same drafts; docs/benchmarks.md, "Feature quantization and LSA placement")
-    lsa_on_server = drafter.name in ("auto", "moa") and has_shipped_checkpoint(args.target)
+    drafter, lsa_on_server = demo_drafter(args.drafter, args.target)
     port = free_port()
     print(f"starting the verify service for {args.target} on 127.0.0.1:{port} ...", flush=True)
     server = start_server(args.target, port, extra=["--lsa=moa"] if lsa_on_server else [])
     try:
-        drafter = replace(drafter, lsa="server") if lsa_on_server else drafter
         setup = build_client(ClientConfig(args.target, drafter, server=f"127.0.0.1:{port}"))
         print(f"mode: {setup.mode}, drafter: {setup.decoder.drafter.name}\n")
         for prompt in prompts:

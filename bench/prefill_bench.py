@@ -133,11 +133,12 @@ def run_points(target: str, chunks: list[int], prompt_tokens: int, rounds: int, 
 
 
 def format_table(points: list[PrefillPoint], prompt_tokens: int) -> str:
-    base = next((p for p in points if p.chunk == 0), points[0])
+    base = next((p for p in points if p.chunk == 0), points[0])  # without chunk 0: the first chunk size
     base_ttft = statistics.median(base.ttft_ms)
+    against = "one forward" if base.chunk == 0 else f"chunk {base.chunk}"
     lines = [f"prefill of {prompt_tokens} tokens beside a decoding session (2x2x4 tree), "
              f"{len(base.ttft_ms)} prompts per chunk size",
-             "| --prefill-chunk | long prompt TTFT ms (median) | / one forward | decoding step p50 idle ms | "
+             f"| --prefill-chunk | long prompt TTFT ms (median) | / {against} | decoding step p50 idle ms | "
              "during prefill p50 / p99 / max ms | max / idle p50 |",
              "|---|---|---|---|---|---|"]
     for p in points:

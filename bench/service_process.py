@@ -38,9 +38,12 @@ def start_server(target: str, port: int, timeout_s: float = 900.0, extra: list[s
         RuntimeError: the server exited or did not become healthy within `timeout_s`.
     """
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
+    # its own session: a terminal's Ctrl-C reaches only the command, whose clean-up then stops the
+    # server with one SIGTERM (it got the SIGINT too, took stop_server's SIGTERM for a second signal
+    # and quit without draining: QA 57)
     proc = subprocess.Popen([sys.executable, "-m", "splitspec.cli", "serve", "--target", target,
                              "--port", str(port), *extra], stdout=subprocess.DEVNULL, env=env,
-                            preexec_fn=_die_with_parent())
+                            preexec_fn=_die_with_parent(), start_new_session=True)
     try:
         _wait_healthy(proc, port, timeout_s)
     except BaseException:  # a failed start, Ctrl-C or SIGTERM (sigterm_exits) while waiting: no orphan

@@ -533,7 +533,10 @@ def test_prefill_bench_table_compares_with_one_forward():
                           PrefillPoint(512, [4400.0], [40.0, 44.0], [600.0, 1200.0])], 2000)
     rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")}
     assert "1.10x" in rows["512"] and "1200" in rows["512"] and "30.0x" in rows["512"]  # 1200 ms against the idle p50 of 40
-    assert "1.00x" in rows["off (one forward)"]
+    assert "1.00x" in rows["off (one forward)"] and "| / one forward |" in table
+    # without a one-forward run the column says what it is against (QA 57: "/ one forward" over chunk 32)
+    chunked = format_table([PrefillPoint(32, [4000.0], [40.0], [100.0])], 2000)
+    assert "| / chunk 32 |" in chunked and "one forward" not in chunked
 
 
 def test_serve_bench_interleaves_its_points_and_reports_them_by_server(monkeypatch, capsys):
@@ -641,3 +644,15 @@ def test_an_interrupted_offline_eval_keeps_the_problems_answered(tmp_path, monke
     kept = [json.loads(line)["task_id"] for line in (out / "results.jsonl").read_text().splitlines()]
     assert kept == ["t/0", "t/1"] and json.loads((out / "run.json").read_text())["interrupted_after"] == 2
     assert "the answers to 2 of 3 problems are in" in capsys.readouterr().err
+
+
+def test_demo_keeps_the_lsa_placement_a_user_chose():
+    """QA 57 bench finding 4: `demo --drafter 'moa;lsa=client'` ran with LSA on the server."""
+    from splitspec.bench.demo import demo_drafter
+
+    assert demo_drafter(None, "smollm2-135m")[1] and demo_drafter("moa", "smollm2-135m")[0].lsa == "server"
+    chosen, on_server = demo_drafter("moa;lsa=client", "smollm2-135m")
+    assert chosen.lsa == "client" and not on_server
+    from splitspec.shared.drafters.spec import DrafterSpec
+
+    assert demo_drafter("ngram", "smollm2-135m") == (DrafterSpec.parse("ngram"), False)
