@@ -81,7 +81,8 @@ def _add_serve_bench_parser(sub) -> None:
                         "--batching padded (the copy-into-padded-rows way, for comparison); N:graphs with --cuda-graphs "
                         "(--device cuda)")
     p.add_argument("--drafter", default="ngram", help="each client's drafter (cheap ones leave the CPU to the server)")
-    p.add_argument("--seconds", type=at_least(0, strict=True), default=20.0, help="measured time per (max batch, clients) point")
+    p.add_argument("--seconds", type=at_least(0, strict=True, finite=True), default=20.0,
+                   help="measured time per (max batch, clients) point")
     p.add_argument("--rounds", type=at_least(1, int), default=1,
                    help="passes over every point, interleaved; the table shows medians with their range and ratios "
                         "taken within a round")

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from splitspec.shared.config import ServerLimits
 from splitspec.shared.models import load_tokenizer, tokenizer_fingerprint
 from splitspec.v1 import verify_pb2 as pb
 from splitspec.v1 import verify_pb2_grpc as pb_grpc
@@ -154,6 +155,9 @@ def format_table(points: list[PrefillPoint], prompt_tokens: int) -> str:
 def cmd_prefill_bench(args) -> None:
     """Raises ValueError, OSError: a bad --out before anything starts; RuntimeError: a server or
     client failed."""
+    limit = ServerLimits().max_prompt_tokens  # the servers run on the default limits
+    if args.prompt_tokens > limit:
+        raise ValueError(f"--prompt-tokens {args.prompt_tokens} is over the verify service's prompt limit of {limit}")
     if args.out:
         writable_file(args.out)
     with sigterm_exits():

@@ -91,7 +91,7 @@ def _header(records: list[BenchRecord], meta: dict, cfg) -> str:
     prompts = list(dict.fromkeys((r.category, r.id) for r in records))
     categories = list(dict.fromkeys(c for c, _ in prompts))
     backends = sorted({r.backend for r in records if r.backend}) or ["none (plain loopback)"]
-    lines = [f"target {meta.get('target', '?')}, {meta.get('decoding', 'greedy')}, {len(prompts)} prompts ({', '.join(categories)}), "
+    lines = [f"target {meta.get('target', '?')}, {meta.get('decoding', 'greedy')}, {len(prompts)} prompt{'s' if len(prompts) != 1 else ''} ({', '.join(categories)}), "
              f"up to {meta.get('max_new_tokens', '?')} new tokens each",
              "", f"- commit: {meta.get('commit', '?')}", f"- machine: {meta.get('machine', '?')}",
              f"- link backend: {', '.join(backends)}; seed {meta.get('seed', '?')}"]

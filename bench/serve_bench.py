@@ -269,6 +269,8 @@ def cmd_serve_bench(args) -> None:
     if args.limit < 1 or args.max_new_tokens < 1:
         raise ValueError("--limit and --max-new-tokens must be >= 1")
     points = serve_points(batches, args.batch_window_ms)
+    if args.device != "cuda" and any(batching == "graphs" for _, batching, _ in points):
+        raise ValueError("--max-batch N:graphs runs the server with --cuda-graphs, which needs --device cuda")
     if args.out:
         writable_file(args.out)
     texts = load_prompts(["spec_bench"], args.limit, args.spec_bench)

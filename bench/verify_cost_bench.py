@@ -329,7 +329,7 @@ def cmd_verify_cost(args) -> None:
         lines.append(f"| {name} | {linear} | {weights / 1e6:.0f} | {floor:.1f} | "
                      + " | ".join(f"{times[n]:.1f}" for n in POSITIONS)
                      + f" | {times[1] / floor:.2f}x | {times[25] / times[1]:.2f}x | {_ratio(one_pos.get(name), times[1])} "
-                     f"| {_differ(diffs)} | {tok_s:.1f} |")
+                     f"| {_differ(diffs)} | {'-' if math.isnan(tok_s) else f'{tok_s:.1f}'} |")
         goals.append(f"- {name} {linear}: 25-position verify / one-position step = {times[25] / times[1]:.2f}x (goal "
                      f"<= 1.3x: {'met' if times[25] / times[1] <= 1.3 else 'missed'}); one-position step / floor = "
                      f"{times[1] / floor:.2f}x (goal <= 2x: {'met' if times[1] / floor <= 2 else 'missed'})")

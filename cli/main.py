@@ -5,7 +5,7 @@
     server  serve                       (server/cli.py)
     train   train, train-bench, distill-data, draft-vocab, train-curve   (train/cli.py)
     netsim  netsim                      (netsim/cli.py)
-    bench   bench, offline-eval, demo, serve-bench, verify-cost, long-bench   (bench/cli.py)
+    bench   bench, offline-eval, demo, serve-bench, prefill-bench, verify-cost, long-bench   (bench/cli.py)
     here    pull
 
 Only this module imports across rooms to hand one room's parts to another: the in-process

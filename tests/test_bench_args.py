@@ -656,3 +656,17 @@ def test_demo_keeps_the_lsa_placement_a_user_chose():
     from splitspec.shared.drafters.spec import DrafterSpec
 
     assert demo_drafter("ngram", "smollm2-135m") == (DrafterSpec.parse("ngram"), False)
+
+
+def test_impossible_serve_and_prefill_bench_runs_are_refused_before_any_server(capsys, monkeypatch):
+    """QA 57 bench finding 11: --seconds inf measured forever; a prompt over the service's limit and
+    :graphs on a CPU server failed only after servers had started."""
+    from splitspec.bench import prefill_bench
+
+    assert "finite" in _refused(["serve-bench", "--seconds", "inf"], capsys)
+    monkeypatch.setattr(serve_bench, "load_tokenizer", _no_model)
+    monkeypatch.setattr(prefill_bench, "load_tokenizer", _no_model)
+    assert main(["serve-bench", "--max-batch", "1:graphs"]) == 2
+    assert "needs --device cuda" in capsys.readouterr().err
+    assert main(["prefill-bench", "--prompt-tokens", "9000"]) == 2
+    assert "over the verify service's prompt limit of 4096" in capsys.readouterr().err
