@@ -68,7 +68,9 @@ from splitspec.shared.tree import ROOT, DraftTree
 
 from .drafters.base import Proposal
 
-_TAG = re.compile(r"</?private>")
+# a tag as people type it: any case, spaces inside the brackets (`<PRIVATE>`, `< /private >`); read
+# strictly, these were text and the span went to the server in clear (QA 57)
+_TAG = re.compile(r"<\s*(/?)\s*private\s*>", re.IGNORECASE)
 PLACEHOLDER_TEXT = " _"
 MIN_PHRASE_CHARS = 3  # letters or digits a phrase needs (fewer: too many public words hold it); 4 would miss
 # the first 3 characters of a private word (" ZOR" of "Zorblax") and, measured, removes false matches only for
@@ -92,6 +94,7 @@ def parse_private_tags(text: str, strict: bool = True, spans: Sequence[tuple[int
     `spans`: character ranges [start, end) of `text` (tags included in the count) that are private
     too, beside the tags (the daemon's `private_spans`); in order and non-overlapping.
 
+    Tags are matched in any case and with spaces inside the brackets (`<Private>`, `</ private >`).
     `strict` True (what a user typed) refuses an unmatched or nested tag. `strict` False (an
     assistant message, a whole-private message: text that may hold a tag written as text) fails
     closed, so that no tag can end a span early and send the rest in clear: an unmatched
@@ -108,7 +111,7 @@ def parse_private_tags(text: str, strict: bool = True, spans: Sequence[tuple[int
     depth, boundary = 0, 0  # open spans; where the text since the previous tag begins
     for match in _TAG.finditer(text):
         markup[match.start():match.end()] = b"\x01" * (match.end() - match.start())
-        opening = match.group() == "<private>"
+        opening = not match.group(1)
         if strict and (depth if opening else not depth):
             raise ValueError("unmatched or nested <private> tag")
         if depth:  # the text since the previous tag was inside a span

@@ -153,6 +153,16 @@ def test_an_answer_may_hold_a_tag_as_text(stories):
         encode_private_chat(tokenizer, [{"role": "user", "content": "use a </private> tag"}])
 
 
+def test_tags_are_read_in_any_case_and_spacing():
+    """QA 57 finding 5: `<PRIVATE>` and `<private >` were plain text, sent to the server in clear."""
+    for text in ("My password is <PRIVATE>hunterzebra99</PRIVATE>.", "My password is <private >hunterzebra99</ private>.",
+                 "My password is < Private>hunterzebra99</PRIVATE >."):
+        assert parse_private_tags(text) == [Segment("My password is "), Segment("hunterzebra99", True), Segment(".")]
+    with pytest.raises(ValueError, match="unmatched"):
+        parse_private_tags("a <PRIVATE>b")
+    assert parse_private_tags("<privately> and <private-ish>") == [Segment("<privately> and <private-ish>")]
+
+
 def test_untagged_text_with_spans_beside_tags():
     from splitspec.client.privacy import untagged
 
