@@ -189,3 +189,52 @@ def test_private_text_in_an_answer_is_sent_back_private(stories, serve, stories_
         server.stop()
         verifier.close()
         history.close()
+
+
+def test_a_refused_or_failed_message_does_not_block_the_conversation(stories, browser):
+    """QA 57 findings 2, 3 and 5: the page kept a refused message (an unclosed tag) in the history it
+    sends, so every later message was refused the same way; it ignored an error event after the
+    stream began and sent the empty answer back; and it showed `<PRIVATE>` tags as plain text."""
+    model, tokenizer, model_id = stories
+    from splitspec.client.drafters import NgramDrafter
+    from splitspec.server.local import LocalVerifier
+
+    class FailingOnce(SpeculativeDecoder):
+        failed = False
+
+        def generate(self, *args, **kwargs):
+            if not FailingOnce.failed and len(args[0]) > 30:  # the second message's prompt: fail mid-stream
+                FailingOnce.failed = True
+                raise RuntimeError("boom")
+            return super().generate(*args, **kwargs)
+
+    runner = TargetRunner(model, tokenizer, model_id)
+    setup = ClientSetup(FailingOnce(LocalVerifier(runner), NgramDrafter(), FAST), tokenizer, SamplingParams(0.0),
+                        "single-device")
+    seen = []
+    app = daemon_app(setup, model_id, max_new_tokens=6)
+    server = DaemonServer(app, port=0).start()
+    wait = WebDriverWait(browser, 60)
+
+    def say(text: str) -> None:
+        done = len(browser.find_elements(By.CSS_SELECTOR, '.msg.assistant[data-done="1"]'))
+        browser.find_element(By.ID, "input").send_keys(text)
+        browser.find_element(By.ID, "send").click()
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, '.msg.assistant[data-done="1"]')) == done + 1)
+        seen.append(browser.find_elements(By.CSS_SELECTOR, ".msg.assistant")[-1])
+
+    try:
+        browser.get(server.url + "/")
+        wait.until(lambda d: d.find_element(By.ID, "model").text)
+        say("my code is <private>zq-881")  # refused: 400 unmatched tag
+        assert "unmatched" in seen[-1].text
+        say("Once upon a time there was a little girl who liked to play outside in the sun.")  # fails mid-stream
+        assert "error: boom" in seen[-1].text or "error:" in seen[-1].text
+        say("my PIN is <PRIVATE>4711</PRIVATE> ok")
+        assert "error" not in seen[-1].text and seen[-1].find_element(By.CSS_SELECTOR, ".text").text
+        assert browser.find_elements(By.CSS_SELECTOR, ".msg.user .private")[-1].text == "4711"
+        history = browser.execute_script("return state.history")
+        assert [m["role"] for m in history] == ["user", "assistant"]  # only the exchange that was answered
+        assert "4711" in history[0]["content"]
+    finally:
+        server.stop()
