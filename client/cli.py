@@ -23,7 +23,7 @@ from splitspec.shared.verifier import LinkDown
 
 from .answer import AnswerTokens
 from .history import ChatHistory, default_path
-from .privacy import PrivacyGuard, encode_private_chat, placeholder_token, tag_private_answer
+from .privacy import PrivacyGuard, encode_private_chat, parse_private_tags, placeholder_token, tag_private_answer
 from .reconnect import OfflinePolicy
 from .stream import TextStream
 
@@ -195,6 +195,19 @@ def utf8_text(text: str | None, what: str) -> str | None:
     return text
 
 
+def chat_text(text: str | None, what: str) -> str | None:
+    """`text` (a --prompt or --system) checked before any model loads: valid UTF-8 (`utf8_text`)
+    and its `<private>` tags paired.
+
+    Raises ValueError naming `what`."""
+    utf8_text(text, what)
+    try:
+        parse_private_tags(text or "")
+    except ValueError as err:
+        raise ValueError(f"{what}: {err}") from None
+    return text
+
+
 def _messages(args, history: list[dict[str, str]]) -> list[dict[str, str]]:
     return ([{"role": "system", "content": args.system}] if args.system else []) + history
 
@@ -211,8 +224,8 @@ def _say_waiting(message: str) -> None:
 
 
 def cmd_generate(args, local_verifier=None) -> None:
-    utf8_text(args.prompt, "--prompt")  # before the models load
-    utf8_text(args.system, "--system")
+    chat_text(args.prompt, "--prompt")  # before the models load
+    chat_text(args.system, "--system")
     setup = _setup(args, local_verifier)
     prompt_ids, privacy = _encode(setup, args, _messages(args, [{"role": "user", "content": args.prompt}]))
     stream = AnswerTokens() if args.json else TextStream(setup.tokenizer)
@@ -265,7 +278,7 @@ def _chat_turn(setup, args, history_db, conversation: int, line: str, prompt_ids
 
 
 def cmd_chat(args, local_verifier=None) -> None:
-    utf8_text(args.system, "--system")  # these two before the models load
+    chat_text(args.system, "--system")  # these two before the models load
     history_db = ChatHistory(args.history or default_path())
     setup = _setup(args, local_verifier)
     conversation = history_db.last_conversation() if args.resume else None

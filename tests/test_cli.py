@@ -334,6 +334,16 @@ def test_text_that_is_not_utf8_is_refused_with_one_line(stories_path, monkeypatc
     assert out.count("bot>") == 1  # the next line is answered
 
 
+def test_unmatched_tags_in_prompt_or_system_are_refused_before_loading(capsys, tmp_path):
+    """QA 57 finding 9: an unmatched <private> in --system was found after the models loaded, and
+    in chat every line then failed with an error that did not name --system."""
+    code, _, err = _run(capsys, ["generate", "--local", "--target", "/no/such/model", "--prompt", "x <private>abc"])
+    assert code == 2 and "--prompt: unmatched or nested <private> tag" in err
+    for command in (["chat", "--history", str(tmp_path / "h.sqlite3")], ["up"]):
+        code, _, err = _run(capsys, [*command, "--local", "--target", "/no/such/model", "--system", "Code <private>abc"])
+        assert code == 2 and "--system: unmatched or nested <private> tag" in err
+
+
 def test_a_history_that_cannot_be_opened_is_one_line(monkeypatch, capsys, tmp_path):
     """--history naming a folder or a file that is not SQLite: one line naming it, before the
     models load (was: sqlite3's traceback after they loaded; QA 56, finding 7)."""

@@ -50,12 +50,12 @@ def cmd_up(args, local_verifier=None) -> None:
         OSError: the port is taken.
     """
     from ..build import build_client
-    from ..cli import client_config, utf8_text
+    from ..cli import chat_text, client_config
 
     api_key = args.api_key or os.environ.get("SPLITSPEC_API_KEY") or None
     if args.max_queue < 0:
         raise ValueError("--max-queue must be >= 0")
-    utf8_text(args.system, "--system")  # else every request would fail, blaming its messages
+    chat_text(args.system, "--system")  # else every request would fail, blaming its messages
     if not loopback_host(args.host) and not api_key:
         raise ValueError(f"--host {args.host} is reachable from other machines: set --api-key")
     from ..history import ChatHistory, default_path
