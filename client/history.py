@@ -16,7 +16,7 @@ import sqlite3
 import time
 from pathlib import Path
 
-from .privacy import tag_private_answer
+from .privacy import parse_private_tags, tag_private_answer
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (
@@ -72,7 +72,7 @@ class ChatHistory:
             "FROM conversations c LEFT JOIN messages m ON m.conversation = c.id GROUP BY c.id ORDER BY c.id DESC "
             "LIMIT ?", (limit,)).fetchall()
         return [{"id": i, "created": created, "target": target, "drafter": drafter, "messages": count,
-                 "title": (title or "")[:80]} for i, created, target, drafter, count, title in rows]
+                 "title": _title(title or "")} for i, created, target, drafter, count, title in rows]
 
     def has_conversation(self, conversation: int) -> bool:
         if not -2**63 <= conversation < 2**63:  # beyond SQLite's INTEGER (it would raise OverflowError)
@@ -132,3 +132,10 @@ class AnswerWriter:
             else:  # verified / kept
                 self.db.execute("UPDATE tokens SET source = ? WHERE message = ? AND position >= ? AND position < ?",
                                 (str(event.relabelled_to), self.message, event.start, event.start + event.count))
+
+
+def _title(text: str, width: int = 80) -> str:
+    """A conversation's title: its first user message, private spans shown as "[private]" (a list
+    of conversations is no place for them, nor for a tag cut in half), shortened to `width`."""
+    parts = parse_private_tags(text, strict=False)  # fails closed on a stray tag
+    return "".join("[private]" if part.private else part.text for part in parts)[:width]

@@ -408,3 +408,17 @@ def test_help_names_each_default_once(argv, shown, capsys, monkeypatch):
         assert text in out
     assert "default: None" not in out and "default: False" not in out and "(default: smollm2-135m)" not in out
     assert "default: [" not in out and "default: (" not in out
+
+
+def test_conversation_titles_hide_private_spans(tmp_path):
+    """QA 57 finding 13: the conversation list showed private text in clear, with a tag cut in half."""
+    from splitspec.client.history import ChatHistory
+
+    history = ChatHistory(tmp_path / "h.sqlite3")
+    chat = history.new_conversation("t", "d")
+    history.add_message(chat, "user", "Repeat after me: My name is <private>Hortensia Quackenbush</private> and "
+                                      "I live in Paris, in a small flat near the river, since 2019.")
+    (listed,) = history.conversations()
+    assert listed["title"].startswith("Repeat after me: My name is [private] and I live in Paris")
+    assert "Hortensia" not in listed["title"] and "<" not in listed["title"] and len(listed["title"]) == 80
+    history.close()
