@@ -310,6 +310,7 @@ def test_api_key_is_required_when_set(runner, start):
     assert _client(server, "s3cret").models.list().data
     assert httpx.get(f"{server.url}/health").status_code == 200  # health needs no key
     assert httpx.head(f"{server.url}/health").status_code == 200
+    assert httpx.head(f"{server.url}/").status_code == 200  # the page too (QA 57: 405)
 
 
 class GatedDecoder(SpeculativeDecoder):

@@ -98,7 +98,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
 
     page = resources.files("splitspec.client.daemon").joinpath("static/chat.html").read_text(encoding="utf-8")
 
-    @app.get("/", response_class=HTMLResponse)
+    @app.api_route("/", methods=["GET", "HEAD"], response_class=HTMLResponse)  # HEAD: link checkers, curl -I
     async def chat_page() -> HTMLResponse:
         return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
 
