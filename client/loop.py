@@ -282,7 +282,8 @@ class _Run:
         try:
             fn()
         except LinkDown as err:
-            if not self.policy.enabled:
+            if not self.policy.enabled:  # --no-offline: the answer fails; no CloseSession over the dead
+                self.online = False      # link, which would only wait out its 5 s deadline (QA 57)
                 raise
             self._go_offline(err)
         except SessionLost:

@@ -105,11 +105,18 @@ def test_a_server_down_at_the_first_open_is_waited_for(setup):
                                                                  backoff_max_s=0.05)).generate(prompt, 4)
 
 
-def test_disabled_offline_raises(setup):
+def test_disabled_offline_raises(setup, monkeypatch):
+    """--no-offline: the answer fails at the lost step, without a CloseSession over the dead link
+    (which waited out its 5 s deadline, and failed anyway: QA 57)."""
+    from . import helpers
+
     model, runner, prompt, ref, draft = setup
+    closed = []
+    monkeypatch.setattr(helpers._FlakySession, "close", lambda self: closed.append(self))
     decoder = SpeculativeDecoder(FlakyVerifier(runner, {2: "before"}), _drafter(draft), OfflinePolicy(enabled=False))
     with pytest.raises(LinkDown):
         decoder.generate(prompt, N_NEW, stop_on_eos=False)
+    assert not closed
 
 
 def test_drafter_that_cannot_write_alone_waits_for_the_link(setup):
