@@ -336,6 +336,7 @@ class _Run:
                 raise
             log.info("verify service unreachable (%s): waiting up to %g s to open the session", err,
                      self.policy.final_wait_s)
+        self.stats.disconnects += 1  # as a link lost mid-answer is counted (QA 57: this one was not)
         self.link.start()
         if not self.link.wait(self.policy.final_wait_s, abandon=self.cancelled):
             raise LinkDown(f"the verify service stayed unreachable for {self.policy.final_wait_s:g} s")

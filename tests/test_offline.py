@@ -93,7 +93,7 @@ def test_a_server_down_at_the_first_open_is_waited_for(setup):
     policy = OfflinePolicy(backoff_initial_s=0.01, backoff_max_s=0.05)
     verifier = DownAtFirst(runner, {})
     gen = SpeculativeDecoder(verifier, _drafter(draft), policy).generate(prompt, N_NEW, stop_on_eos=False)
-    assert gen.tokens == ref and verifier.opens == 2
+    assert gen.tokens == ref and verifier.opens == 2 and gen.stats.disconnects == 1
     # with offline continuation off, or the link down for good, LinkDown propagates as before
     with pytest.raises(LinkDown):
         SpeculativeDecoder(DownAtFirst(runner, {}), _drafter(draft), OfflinePolicy(enabled=False)).generate(
