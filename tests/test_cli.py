@@ -422,3 +422,18 @@ def test_conversation_titles_hide_private_spans(tmp_path):
     assert listed["title"].startswith("Repeat after me: My name is [private] and I live in Paris")
     assert "Hortensia" not in listed["title"] and "<" not in listed["title"] and len(listed["title"]) == 80
     history.close()
+
+
+def test_grpc_core_logs_only_errors_unless_the_user_asks():
+    """QA 57 link finding 6: after a cut over ~10 s, gRPC core's INFO line about the GOAWAY landed on
+    the CLI's stderr. The command sets GRPC_VERBOSITY=ERROR before grpc loads; a user's value wins."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import os, splitspec.cli.main; print(os.environ['GRPC_VERBOSITY'])"
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip() == "ERROR"
+    mine = subprocess.run([sys.executable, "-c", code], env={**env, "GRPC_VERBOSITY": "INFO"}, capture_output=True,
+                          text=True)
+    assert mine.stdout.strip() == "INFO"
