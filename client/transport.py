@@ -23,7 +23,8 @@ import grpc
 import torch
 
 from splitspec.shared import codec
-from splitspec.shared.config import CLIENT_KEEPALIVE_TIME_S, CLIENT_TOKEN_ENV, check_token, read_tokens
+from splitspec.shared.config import (CLIENT_KEEPALIVE_TIME_S, CLIENT_TOKEN_ENV, MAX_ABANDONED_OPENS, OPEN_ID_BYTES,
+                                     check_token, read_tokens)
 from splitspec.shared.features import FeatureBatch, FeatureRequest
 from splitspec.v1 import verify_pb2 as pb
 from splitspec.v1 import verify_pb2_grpc as pb_grpc
@@ -161,6 +162,9 @@ class RemoteVerifier(Verifier):
         self.step_timeout_s = step_timeout_s
         self.busy_wait_s = busy_wait_s
         self.on_busy = on_busy if on_busy is not None else log.warning
+        # names of opens whose reply never came (LinkDown): the next open asks the server to close
+        # the sessions they made (OpenSessionRequest.abandoned_opens), the newest MAX_ABANDONED_OPENS
+        self.abandoned_opens: list[bytes] = []
         self.channel = make_channel(address, CHANNEL_OPTIONS if options is None else options, token=token,
                                     tls_ca=tls_ca, client_cert=client_cert, client_key=client_key)
         self.stub = pb_grpc.VerifyServiceStub(self.channel)
@@ -211,10 +215,17 @@ class RemoteVerifier(Verifier):
         return None
 
     def open(self, prompt_ids, sampling, features, cancelled=None):
+        abandoned = self.abandoned_opens[-MAX_ABANDONED_OPENS:]
         request = pb.OpenSessionRequest(prompt_ids=prompt_ids, sampling=sampling.to_pb(pb.SamplingParams),
                                         features=features.to_pb(),
-                                        tokenizer_fingerprint=self.info.tokenizer_fingerprint)
-        reply, stats = self._open_when_admitted(request, cancelled)
+                                        tokenizer_fingerprint=self.info.tokenizer_fingerprint,
+                                        open_id=os.urandom(OPEN_ID_BYTES), abandoned_opens=abandoned)
+        try:
+            reply, stats = self._open_when_admitted(request, cancelled)
+        except (LinkDown, OpenCancelled):  # the server may have made the session: name it next time
+            self.abandoned_opens = [*self.abandoned_opens, request.open_id][-MAX_ABANDONED_OPENS:]
+            raise
+        self.abandoned_opens = [name for name in self.abandoned_opens if name not in abandoned]
         session = _RemoteSession(self, reply.session_id, features)
         try:
             batch = _features(reply, "OpenSession", features, self.info.hidden_size)

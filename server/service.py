@@ -93,6 +93,7 @@ class _Entry:
     replied_at: float | None = None  # monotonic time its last Verify reply was ready
     turnaround_s: float | None = None  # moving average of the gap from a reply to the next step's arrival
     owner: str = ""  # the bearer token's or mTLS certificate's identity that opened it ("": not bound)
+    open_id: bytes = b""  # the client's name for the open that made it (OpenSessionRequest.open_id)
 
 
 @dataclass(eq=False)
@@ -333,6 +334,8 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
             num_layers=self.runner.num_layers, limits=self.limits, max_context=self.max_context,
             lsa_ids=self.runner.lsa_modules.keys())
         wire = self._wire_features(features, len(prompt))
+        owner = self._owner(context)
+        self._forget_abandoned(request.abandoned_opens, owner)  # before counting the sessions held
         self.evict_idle()
         if len(self.sessions) >= self.limits.max_sessions and not self._reclaim_abandoned():
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -346,7 +349,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                 if err.retry_after_s is None or not self._reclaim_abandoned():
                     raise
         session_id = os.urandom(16)
-        placeholder = _Entry(session_id, None, owner=self._owner(context))  # reserve the slot before awaiting the worker
+        placeholder = _Entry(session_id, None, owner=owner, open_id=request.open_id)  # the slot, before awaiting the worker
         self.sessions[session_id] = placeholder
         try:
             (session, features_pb, forward_ms), started = await self._prefill(
@@ -630,6 +633,17 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         self._forget(entry)
         log.debug("session closed after %d steps, %d sessions", entry.session.step, len(self.sessions))
         return pb.CloseSessionReply()
+
+    def _forget_abandoned(self, names, owner: str) -> None:
+        """Close the sessions made by earlier opens of this caller whose replies never reached it
+        (`names`: their OpenSessionRequest.open_id, as a later open lists them). Another caller's
+        session is left alone: owners must match, "" (not bound) only "" (a network address alone)."""
+        names = {name for name in names if name}
+        if not names:
+            return
+        for entry in [e for e in self.sessions.values() if e.open_id in names and e.owner == owner]:
+            log.info("closing a session whose open the client abandoned (%d sessions)", len(self.sessions) - 1)
+            self._forget(entry)
 
     def _forget(self, entry: _Entry) -> None:
         """Close a session and drop it (its cache is freed once no worker job holds it)."""

@@ -15,7 +15,7 @@ import torch
 
 from splitspec.shared import codec
 from splitspec.shared.acceptance import SparseProbs
-from splitspec.shared.config import ServerLimits
+from splitspec.shared.config import MAX_ABANDONED_OPENS, OPEN_ID_BYTES, ServerLimits
 from splitspec.shared.features import FeatureRequest
 from splitspec.shared.sampling import SamplingParams
 from splitspec.shared.tree import DraftTree, TreeError, TreeLimitError, validate_tree
@@ -48,13 +48,18 @@ def check_open(request: pb.OpenSessionRequest, *, fingerprint: str, vocab_size: 
         ServiceError: FAILED_PRECONDITION (another tokenizer fingerprint; an LSA this server does not
             host), RESOURCE_EXHAUSTED (a prompt over `max_prompt_tokens` or leaving no room in the
             context), INVALID_ARGUMENT (an empty prompt, token ids outside the vocabulary, sampling
-            parameters, feature layers, quantization or codec).
+            parameters, feature layers, quantization or codec, open names over OPEN_ID_BYTES or more
+            than MAX_ABANDONED_OPENS of them).
     """
     if request.tokenizer_fingerprint != fingerprint:
         raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                            "the client's tokenizer fingerprint differs from this server's target: the server's "
                            "target is not the model the client was built for (it changed since the client "
                            "connected?); restart the client")
+    if len(request.open_id) > OPEN_ID_BYTES or len(request.abandoned_opens) > MAX_ABANDONED_OPENS or any(
+            len(name) > OPEN_ID_BYTES for name in request.abandoned_opens):
+        raise invalid(f"open_id and abandoned_opens hold names of at most {OPEN_ID_BYTES} bytes, at most "
+                      f"{MAX_ABANDONED_OPENS} abandoned")
     if not request.prompt_ids:
         raise invalid("prompt_ids is empty")
     if len(request.prompt_ids) > limits.max_prompt_tokens:  # counted before copied (module docstring)

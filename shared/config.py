@@ -15,6 +15,10 @@ MIN_TOKEN_CHARS = 16
 # how often the splitspec client pings the server (client/transport.py `channel_options`): the
 # server's `min_ping_interval_s` must not exceed it, or idle clients get GOAWAY too_many_pings
 CLIENT_KEEPALIVE_TIME_S = 30.0
+# OpenSessionRequest.open_id and each of its abandoned_opens: at most this many bytes; at most
+# MAX_ABANDONED_OPENS names a request
+OPEN_ID_BYTES = 16
+MAX_ABANDONED_OPENS = 8
 _TOKEN_RE = re.compile(r"[\x21-\x7e]+")  # printable ASCII without spaces: a valid metadata value
 # the default server-wide cap on calls in flight (ServerLimits.call_limit): a splitspec client keeps
 # at most 3 calls open per session (a step, a health probe, a close), plus room for opens and probes

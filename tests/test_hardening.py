@@ -412,6 +412,55 @@ def test_undecodable_features_in_a_reply_are_a_clear_error_and_lose_no_step(spie
     verifier.close()
 
 
+
+def test_an_abandoned_open_is_closed_by_the_next_open_of_the_same_caller(spied, serve):
+    """An open whose reply never reached the client (its link dropped mid-prefill) made a session
+    whose id the client never learned: it held its slot and prompt KV until the TTL (QA 57 link
+    finding 1). The client names its opens; a later open lists the lost one and the server closes
+    that session, but only one opened under the same token."""
+    runner, spy, fp = spied
+    server = serve(runner, ServerLimits(), security=ServerSecurity(tokens=(TOKEN, OTHER_TOKEN)))
+    (mine, stub), (theirs, other) = _stub(server.address, token=TOKEN), _stub(server.address, token=OTHER_TOKEN)
+    _open(stub, fp, open_id=b"lost-open-1")  # the reply "never arrived"
+    _open(other, fp, open_id=b"theirs")
+    assert server.servicer.kv.tokens == 8
+    _open(other, fp, abandoned_opens=[b"lost-open-1"])  # another caller cannot close it
+    assert len(server.servicer.sessions) == 3
+    _open(stub, fp, open_id=b"again", abandoned_opens=[b"lost-open-1", b"never-made"])
+    assert sorted(e.open_id for e in server.servicer.sessions.values()) == [b"", b"again", b"theirs"]
+    assert server.servicer.kv.tokens == 12
+    for bad in ({"open_id": b"x" * 17}, {"abandoned_opens": [b"x"] * 9}, {"abandoned_opens": [b"x" * 17]}):
+        assert "at most 16 bytes" in _refused(C.INVALID_ARGUMENT, lambda: _open(stub, fp, **bad), spy).details()
+    mine.close()
+    theirs.close()
+
+
+def test_the_client_names_an_open_it_lost_in_its_next_open(spied, serve, monkeypatch):
+    from splitspec.shared.verifier import LinkDown
+
+    runner, spy, fp = spied
+    server = serve(runner)
+    verifier = RemoteVerifier(server.address, timeout_s=30)
+    sent, real = [], verifier._open_when_admitted
+
+    def lossy(request, cancelled=None):
+        sent.append(request)
+        reply = real(request, cancelled)
+        if len(sent) == 1:
+            raise LinkDown("the reply was lost")  # the server made the session all the same
+        return reply
+
+    monkeypatch.setattr(verifier, "_open_when_admitted", lossy)
+    with pytest.raises(LinkDown):
+        verifier.open([1, 40, 50], SamplingParams(), FeatureRequest())
+    assert len(server.servicer.sessions) == 1
+    session, _ = verifier.open([1, 40, 50], SamplingParams(), FeatureRequest())
+    assert list(sent[1].abandoned_opens) == [sent[0].open_id] and len(sent[0].open_id) == 16
+    assert [e.open_id for e in server.servicer.sessions.values()] == [sent[1].open_id]  # the lost one closed
+    assert verifier.abandoned_opens == []
+    session.close()
+    verifier.close()
+
 def test_tls_and_mtls(spied, serve, pki):
     runner, spy, fp = spied
     tls = serve(runner, security=ServerSecurity(tokens=(TOKEN,), tls_cert=pki["server_cert"],

@@ -163,16 +163,20 @@ class InfoReply(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_tree_depth: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_sessions: _Optional[int] = ..., session_idle_ttl_s: _Optional[float] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_draft_support: _Optional[int] = ..., lsa_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("prompt_ids", "sampling", "features", "tokenizer_fingerprint")
+    __slots__ = ("prompt_ids", "sampling", "features", "tokenizer_fingerprint", "open_id", "abandoned_opens")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    OPEN_ID_FIELD_NUMBER: _ClassVar[int]
+    ABANDONED_OPENS_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     features: FeatureSpec
     tokenizer_fingerprint: str
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., features: _Optional[_Union[FeatureSpec, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
+    open_id: bytes
+    abandoned_opens: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., features: _Optional[_Union[FeatureSpec, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., open_id: _Optional[bytes] = ..., abandoned_opens: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class OpenSessionReply(_message.Message):
     __slots__ = ("session_id", "first_token", "features", "timings")
