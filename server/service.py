@@ -800,6 +800,25 @@ async def _at_most(requests, n: int):
             return
 
 
+class _UndeliveredReplies(logging.Filter):
+    """grpc-aio logs an ERROR with a traceback ("ExecuteBatchError raised in core by servicer
+    method") when a handler returns on a call whose client has gone (its link dropped while the
+    reply was made). That is a client going away, not a fault of the service: one WARNING line
+    instead (docs/reliability.md: no stack traces for what clients do)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "ExecuteBatchError" not in record.getMessage():
+            return True
+        method = record.getMessage().rpartition("[")[2].rstrip("]")
+        log.warning("a reply of %s could not be delivered: the client went away", method or "a call")
+        return False
+
+
+_GRPC_AIO_LOG = logging.getLogger("grpc._cython.cygrpc")
+if not any(isinstance(f, _UndeliveredReplies) for f in _GRPC_AIO_LOG.filters):
+    _GRPC_AIO_LOG.addFilter(_UndeliveredReplies())
+
+
 async def create_server(runner: TargetRunner, address: str = "127.0.0.1:0",
                         limits: ServerLimits = ServerLimits(), security: ServerSecurity = ServerSecurity(),
                         metrics: ServiceMetrics | None = None, worker: ThreadPoolExecutor | None = None):

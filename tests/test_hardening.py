@@ -1168,3 +1168,23 @@ def test_a_second_signal_stops_the_server_at_once(stories_path):
         if proc.poll() is None:
             proc.kill()
 
+
+
+def test_an_undelivered_reply_is_one_warning_not_a_traceback(caplog):
+    """grpc-aio's ERROR + traceback for a reply whose client had gone (QA 57 link finding 1's log)
+    becomes one WARNING line; its other errors pass through."""
+    from splitspec.server import service
+
+    grpc_log = logging.getLogger("grpc._cython.cygrpc")
+    assert any(isinstance(f, service._UndeliveredReplies) for f in grpc_log.filters)
+    with caplog.at_level(logging.WARNING):
+        try:
+            raise RuntimeError("Failed execute_batch")
+        except RuntimeError:
+            grpc_log.error("ExecuteBatchError raised in core by servicer method [/splitspec.v1.VerifyService/OpenSession]",
+                           exc_info=True)
+        grpc_log.error("something else")
+    records = [(r.name, r.levelname, r.getMessage()) for r in caplog.records]
+    assert records == [("splitspec.server.service", "WARNING", "a reply of /splitspec.v1.VerifyService/OpenSession "
+                        "could not be delivered: the client went away"),
+                       ("grpc._cython.cygrpc", "ERROR", "something else")]
