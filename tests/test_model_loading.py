@@ -397,3 +397,18 @@ def test_the_alias_packages_own_gguf_path_is_the_alias(gguf, monkeypatch):
     other = gguf.with_name("other.gguf")
     other.write_bytes(b"GGUF")
     assert models._alias_of(str(other)) is None
+
+
+def test_a_split_client_reads_the_tokenizer_without_converting_the_model(smollm2, tmp_path, monkeypatch):
+    """QA 57 finding 8: a split-mode client with an empty cache converted the whole target (~1 min,
+    0.5 GB) to get its tokenizer. It now reads the tokenizer from the GGUF, the same one (its
+    fingerprint, which the server checks, equal to the converted copy's) without converting."""
+    from splitspec.shared.models import tokenizer_fingerprint
+
+    converted = smollm2[1]
+    monkeypatch.setenv("SPLITSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(models, "_convert_gguf", lambda *a, **k: pytest.fail("the model was converted"))
+    tokenizer = models.load_tokenizer("smollm2-135m")
+    assert tokenizer_fingerprint(tokenizer) == tokenizer_fingerprint(converted)
+    assert tokenizer.chat_template == converted.chat_template
+    assert not (tmp_path / "cache" / "models").exists()
