@@ -510,11 +510,19 @@ def _from_pretrained(load, path: str, name: str, **kwargs):
     if Path(path).is_dir():
         try:
             return load(path, **kwargs)
-        except (ValueError, OSError, KeyError, TypeError, SafetensorError) as err:  # bad JSON, truncated weights
-            where = name if name == path else f"{name} ({path})"
-            what = (f"a weights file there is not a valid safetensors file, truncated or damaged ({err})"
-                    if isinstance(err, SafetensorError) else _first_line(err))
+        except (ValueError, OSError, KeyError, TypeError, RuntimeError, SafetensorError) as err:  # bad JSON,
+            where = name if name == path else f"{name} ({path})"  # truncated weights, shapes unlike the config
+            if isinstance(err, SafetensorError):
+                what = f"a weights file there is not a valid safetensors file, truncated or damaged ({err})"
+            elif isinstance(err, RuntimeError) and "mismatched" in str(err):  # transformers' report is a log
+                what = "its weights' tensor shapes differ from what its config.json describes"  # line we silence
+            elif isinstance(err, RuntimeError):
+                raise
+            else:
+                what = _first_line(err)
             raise ValueError(f"model {where}: {what}{_repair_hint(Path(path), name)}") from err
+    if path.startswith(("/", "./", "../", "~")) or path.count("/") > 1:  # no hub id has these shapes
+        raise ValueError(f"model {name}: no such local folder or .gguf file, and not a Hugging Face model id")
     from huggingface_hub.errors import HFValidationError
 
     try:

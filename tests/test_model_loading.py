@@ -343,6 +343,10 @@ def test_pull_refuses_what_is_no_model(tmp_path, capsys):
     # a path that does not exist got huggingface_hub's "Repo id must be in the form ..." (QA 56)
     assert main(["pull", str(tmp_path / "nosuchdir")]) == 2
     assert "no such local folder or .gguf file, and not a Hugging Face model id" in capsys.readouterr().err
+    # and loading one says the same (QA 57: it said the hub was unreachable, for a filesystem path)
+    for load in (models.load_model, models.load_tokenizer):
+        with pytest.raises(ValueError, match="nosuchdir: no such local folder or .gguf file, and not a Hugging"):
+            load(str(tmp_path / "nosuchdir"))
 
 
 def test_a_truncated_gguf_cannot_be_converted_and_says_so(cache, tmp_path):
@@ -412,3 +416,12 @@ def test_a_split_client_reads_the_tokenizer_without_converting_the_model(smollm2
     assert tokenizer_fingerprint(tokenizer) == tokenizer_fingerprint(converted)
     assert tokenizer.chat_template == converted.chat_template
     assert not (tmp_path / "cache" / "models").exists()
+
+
+def test_weights_unlike_their_config_are_one_line_naming_the_model(stories_path, tmp_path):
+    """QA 57 finding 10: transformers' "look at the above report!" (a report we silence), without the model."""
+    folder = _copy(stories_path, tmp_path / "shapes")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "hidden_size": config["hidden_size"] * 2}))
+    with pytest.raises(ValueError, match=f"model {folder}: its weights' tensor shapes differ from what its config"):
+        models.load_model(str(folder))
