@@ -101,7 +101,18 @@ def load_local_verifier(target: str, device: str, dtype: str):
 
 
 def cmd_pull(args) -> None:
-    print(f"{args.model}: {pull(ModelSpec.parse(args.model).source, force=args.force)}")
+    """Raises ValueError: an empty name, a model that cannot be pulled, or @layers=N beyond its layers."""
+    if not args.model.strip():
+        raise ValueError("give a model to pull: an alias, a Hugging Face id, a folder or a .gguf file")
+    spec = ModelSpec.parse(args.model)
+    folder = pull(spec.source, force=args.force)
+    if spec.layers is not None:  # checked as loading it would (it said done, and generate then refused)
+        import json
+
+        layers = json.loads((folder / "config.json").read_text()).get("num_hidden_layers")
+        if layers is not None and spec.layers > layers:
+            raise ValueError(f"{args.model}: @layers={spec.layers} but the model has {layers} layers")
+    print(f"{args.model}: {folder}")
 
 
 def _quiet_libraries() -> None:

@@ -187,11 +187,28 @@ def _check_folder(folder: Path, name: str, *, config: bool = True) -> None:
     """Refuse a model folder that lacks what loading it needs, before any weights load.
 
     Raises:
-        ValueError: no config.json (when `config`), none of TOKENIZER_FILES, or a tokenizer.json
-            that is no JSON.
+        ValueError: no config.json, or one that is no JSON object, or a weights file whose
+            safetensors header does not open (when `config`: a model's load, a pull), none of
+            TOKENIZER_FILES, or a tokenizer.json that is no JSON.
     """
+    from safetensors import SafetensorError, safe_open
+
     if config and not (folder / "config.json").is_file():
         raise ValueError(f"model {name}: no config.json in {folder}{_repair_hint(folder, name)}")
+    if config:  # what `pull DIR` would otherwise report as ready (QA 57)
+        try:
+            if not isinstance(json.loads((folder / "config.json").read_text(encoding="utf-8")), dict):
+                raise ValueError("not a JSON object")
+        except ValueError as err:
+            raise ValueError(f"model {name}: {folder / 'config.json'} is not a valid JSON config ({err})"
+                             f"{_repair_hint(folder, name)}") from err
+        for weights in sorted(folder.glob("*.safetensors")):
+            try:
+                with safe_open(str(weights), framework="pt"):
+                    pass
+            except (OSError, SafetensorError) as err:
+                raise ValueError(f"model {name}: {weights} is not a valid safetensors file, truncated or damaged "
+                                 f"({err}){_repair_hint(folder, name)}") from err
     if not any((folder / file).is_file() for file in TOKENIZER_FILES):
         raise ValueError(f"model {name}: no tokenizer files ({', '.join(TOKENIZER_FILES)}) in "
                          f"{folder}{_repair_hint(folder, name)}")

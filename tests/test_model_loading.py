@@ -425,3 +425,20 @@ def test_weights_unlike_their_config_are_one_line_naming_the_model(stories_path,
     (folder / "config.json").write_text(json.dumps({**config, "hidden_size": config["hidden_size"] * 2}))
     with pytest.raises(ValueError, match=f"model {folder}: its weights' tensor shapes differ from what its config"):
         models.load_model(str(folder))
+
+
+def test_pull_refuses_what_would_not_load(stories_path, tmp_path, capsys):
+    """QA 57 finding 12: `pull DIR` said done for a folder whose config.json is no JSON or whose
+    weights are truncated, `pull ''` looked in the current folder, and `@layers=99` passed."""
+    bad_json = _copy(stories_path, tmp_path / "badjson")
+    (bad_json / "config.json").write_text("{not json")
+    truncated = _copy(stories_path, tmp_path / "trunc")
+    _truncate(next(truncated.glob("*.safetensors")), 100)
+    for folder, why in ((bad_json, "config.json is not a valid JSON config"),
+                        (truncated, "is not a valid safetensors file")):
+        assert main(["pull", str(folder)]) == 2
+        assert why in capsys.readouterr().err
+    assert main(["pull", ""]) == 2 and "give a model to pull" in capsys.readouterr().err
+    assert main(["pull", f"{stories_path}@layers=99"]) == 2
+    assert "@layers=99 but the model has 5 layers" in capsys.readouterr().err
+    assert main(["pull", f"{stories_path}@layers=2"]) == 0
