@@ -195,6 +195,15 @@ def _check_folder(folder: Path, name: str, *, config: bool = True) -> None:
 
     if config and not (folder / "config.json").is_file():
         raise ValueError(f"model {name}: no config.json in {folder}{_repair_hint(folder, name)}")
+    if not any((folder / file).is_file() for file in TOKENIZER_FILES):
+        raise ValueError(f"model {name}: no tokenizer files ({', '.join(TOKENIZER_FILES)}) in "
+                         f"{folder}{_repair_hint(folder, name)}")
+    if (folder / "tokenizer.json").is_file():
+        try:
+            json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+        except ValueError as err:  # not JSON, or not UTF-8
+            raise ValueError(f"model {name}: {folder / 'tokenizer.json'} is not valid JSON ({err})"
+                             f"{_repair_hint(folder, name)}") from err
     if config:  # what `pull DIR` would otherwise report as ready (QA 57)
         try:
             if not isinstance(json.loads((folder / "config.json").read_text(encoding="utf-8")), dict):
@@ -207,17 +216,8 @@ def _check_folder(folder: Path, name: str, *, config: bool = True) -> None:
                 with safe_open(str(weights), framework="pt"):
                     pass
             except (OSError, SafetensorError) as err:
-                raise ValueError(f"model {name}: {weights} is not a valid safetensors file, truncated or damaged "
-                                 f"({err}){_repair_hint(folder, name)}") from err
-    if not any((folder / file).is_file() for file in TOKENIZER_FILES):
-        raise ValueError(f"model {name}: no tokenizer files ({', '.join(TOKENIZER_FILES)}) in "
-                         f"{folder}{_repair_hint(folder, name)}")
-    if (folder / "tokenizer.json").is_file():
-        try:
-            json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
-        except ValueError as err:  # not JSON, or not UTF-8
-            raise ValueError(f"model {name}: {folder / 'tokenizer.json'} is not valid JSON ({err})"
-                             f"{_repair_hint(folder, name)}") from err
+                raise ValueError(f"model {name}: a weights file there is not a valid safetensors file, truncated "
+                                 f"or damaged ({weights.name}: {err}){_repair_hint(folder, name)}") from err
 
 
 def _repair_hint(folder: Path, name: str) -> str:
