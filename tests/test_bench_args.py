@@ -482,6 +482,9 @@ def test_goal_section_says_when_the_goal_profile_was_not_run():
     rows = [r for r in synthetic_run() if r.profile != "4g"]
     assert "Profile 4g was not among this run's link profiles (lan)" in render_markdown(rows, META)
     assert "was not among" not in render_markdown(synthetic_run(), META)
+    local = [r for r in synthetic_run() if r.mode == "local"]  # --methods '' (QA 57: "run with --profiles 4g")
+    assert "This run has no split methods" in render_markdown(local, META)
+    assert "--profiles 4g" not in render_markdown(local, META)
 
 
 # --- 12. offline-eval: like with like -----------------------------------------------------------------
