@@ -309,7 +309,7 @@ def test_serve_bench_drives_concurrent_clients(stories, serve, stories_path, tmp
     (["--clients", "1,0"], "client counts must be >= 1"),
     (["--clients", "four"], "expected comma-separated client counts"),
     (["--max-batch", "1,8:wide"], "--max-batch entries are N or N:ragged"),
-    (["--seconds", "0"], "must be > 0"),
+    (["--seconds", "0"], "must be a finite number > 0"),
     (["--client-processes", "0"], "must be >= 1"),
     (["--batch-window-ms", "5,-1"], "windows must be finite and >= 0 ms"),
 ])
