@@ -104,6 +104,11 @@ def test_spec_grammar():
         with pytest.raises(ValueError, match="lookup"):
             DrafterSpec.parse(bad)
     assert DrafterSpec.parse("auto;lookup=4").resolve("no-such-target") == DrafterSpec("ngram")
+    # options that do nothing for ngram / none made second bench arms of one drafter (QA 57)
+    for bad, word in (("ngram;quant=fp8", "quant="), ("none;tree=2x2x4", "tree="), ("ngram;vocab=100", "vocab=")):
+        with pytest.raises(ValueError, match=f"takes no {word}"):
+            DrafterSpec.parse(bad)
+    assert DrafterSpec.parse("ngram", quant="fp8", lsa="server").kind == "ngram"  # defaults fill in silently
 
 
 @pytest.mark.parametrize("mode", ["local", "split"])

@@ -36,6 +36,8 @@ QUANTIZATIONS = ("fp16", "int8", "fp8")
 OPTIONS = ("lsa", "quant", "vocab", "tree", "lookup", "dtype")
 DRAFT_DTYPES = ("auto", "float32", "bfloat16")
 DEFAULT_DRAFT_VOCAB = 8192  # vocab=-1: this many tokens when the target has shipped token counts, else full
+# options of a drafter that runs a model on the target's features; none and ngram take none of them
+MODEL_OPTIONS = ("lsa", "quant", "vocab", "dtype")
 NO_LOOKUP = ("none", "ngram")  # kinds that take no prompt-lookup chain (ngram is prompt lookup)
 DEFAULT_LOOKUP = 8  # lookup=-1: chains of up to 8 tokens (56 Spec-Bench prompts: moa 1.16x -> 1.33x generate())
 
@@ -107,7 +109,12 @@ class DrafterSpec:
         if unknown:
             raise ValueError(f"unknown drafter options {sorted(unknown)} in {text!r}; expected "
                              + ", ".join(f"{o}=" for o in options))
-        return replace(cls(**_name_fields(name), **defaults), **_option_fields(given, text))
+        spec = replace(cls(**_name_fields(name), **defaults), **_option_fields(given, text))
+        idle = [key for key in given if key in MODEL_OPTIONS or (key == "tree" and spec.kind == "none")]
+        if spec.kind in NO_LOOKUP and idle:  # a no-op option made a second bench arm of the same drafter
+            raise ValueError(f"{spec.kind} takes no {', '.join(k + '=' for k in idle)} in {text!r} ("
+                             + ("none drafts nothing" if spec.kind == "none" else "ngram runs no model") + ")")
+        return spec
 
     @property
     def name(self) -> str:
