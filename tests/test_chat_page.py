@@ -52,6 +52,16 @@ def browser():
     driver.quit()
 
 
+def _say(browser, text: str):
+    """Send `text` from the page and wait for its answer to end; returns the answer's element."""
+    done = len(browser.find_elements(By.CSS_SELECTOR, '.msg.assistant[data-done="1"]'))
+    browser.find_element(By.ID, "input").send_keys(text)
+    browser.find_element(By.ID, "send").click()
+    WebDriverWait(browser, 60).until(
+        lambda d: len(d.find_elements(By.CSS_SELECTOR, '.msg.assistant[data-done="1"]')) == done + 1)
+    return browser.find_elements(By.CSS_SELECTOR, ".msg.assistant")[-1]
+
+
 def _not_blank(png: bytes) -> bool:
     from PIL import Image
 
@@ -158,11 +168,8 @@ def test_private_text_in_an_answer_is_sent_back_private(stories, serve, stories_
                                      history=history, max_new_tokens=16), port=0).start()
     wait = WebDriverWait(browser, 60)
 
-    def say(text: str) -> None:
-        done = len(browser.find_elements(By.CSS_SELECTOR, '.msg.assistant[data-done="1"]'))
-        browser.find_element(By.ID, "input").send_keys(text)
-        browser.find_element(By.ID, "send").click()
-        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, '.msg.assistant[data-done="1"]')) == done + 1)
+    def say(text: str):
+        return _say(browser, text)
 
     try:
         browser.get(server.url + "/")
@@ -211,27 +218,16 @@ def test_a_refused_or_failed_message_does_not_block_the_conversation(stories, br
     runner = TargetRunner(model, tokenizer, model_id)
     setup = ClientSetup(FailingOnce(LocalVerifier(runner), NgramDrafter(), FAST), tokenizer, SamplingParams(0.0),
                         "single-device")
-    seen = []
-    app = daemon_app(setup, model_id, max_new_tokens=6)
-    server = DaemonServer(app, port=0).start()
-    wait = WebDriverWait(browser, 60)
-
-    def say(text: str) -> None:
-        done = len(browser.find_elements(By.CSS_SELECTOR, '.msg.assistant[data-done="1"]'))
-        browser.find_element(By.ID, "input").send_keys(text)
-        browser.find_element(By.ID, "send").click()
-        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, '.msg.assistant[data-done="1"]')) == done + 1)
-        seen.append(browser.find_elements(By.CSS_SELECTOR, ".msg.assistant")[-1])
-
+    server = DaemonServer(daemon_app(setup, model_id, max_new_tokens=6), port=0).start()
     try:
         browser.get(server.url + "/")
-        wait.until(lambda d: d.find_element(By.ID, "model").text)
-        say("my code is <private>zq-881")  # refused: 400 unmatched tag
-        assert "unmatched" in seen[-1].text
-        say("Once upon a time there was a little girl who liked to play outside in the sun.")  # fails mid-stream
-        assert "error: boom" in seen[-1].text or "error:" in seen[-1].text
-        say("my PIN is <PRIVATE>4711</PRIVATE> ok")
-        assert "error" not in seen[-1].text and seen[-1].find_element(By.CSS_SELECTOR, ".text").text
+        WebDriverWait(browser, 60).until(lambda d: d.find_element(By.ID, "model").text)
+        refused = _say(browser, "my code is <private>zq-881")  # 400: an unmatched tag
+        assert "unmatched" in refused.text
+        failed = _say(browser, "Once upon a time there was a little girl who liked to play outside in the sun.")
+        assert "error:" in failed.text and "boom" in failed.text  # an error event after the stream began
+        answered = _say(browser, "my PIN is <PRIVATE>4711</PRIVATE> ok")
+        assert "error" not in answered.text and answered.find_element(By.CSS_SELECTOR, ".text").text
         assert browser.find_elements(By.CSS_SELECTOR, ".msg.user .private")[-1].text == "4711"
         history = browser.execute_script("return state.history")
         assert [m["role"] for m in history] == ["user", "assistant"]  # only the exchange that was answered
