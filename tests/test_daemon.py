@@ -215,6 +215,10 @@ def test_a_private_message_stays_private_whatever_tags_it_holds(runner, role, ex
     public = runner.tokenizer.decode([t for t, m in zip(ids, mask) if not m])
     assert "4929" not in public and "0082" not in public and "card is" not in public
     assert "What card did I give you?" in public and "thanks" in public
+    from splitspec.client.privacy import untagged, with_private_tags
+
+    for m in completion.messages:  # the chat history keeps tags: they read back as the same spans, strictly
+        assert untagged(with_private_tags(m["content"], m["private_spans"])) == (m["content"], m["private_spans"])
 
 @pytest.mark.parametrize("body, status, param, code", [
     (b"{not json", 400, None, None),
