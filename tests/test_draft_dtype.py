@@ -102,3 +102,27 @@ def test_the_dtype_option_parses_and_refuses_unknown_dtypes():
     assert DrafterSpec.parse("eagle2").dtype == "auto" and str(DrafterSpec.parse("eagle2")) == "eagle2"
     with pytest.raises(ValueError, match="dtype must be one of auto, float32, bfloat16"):
         DrafterSpec.parse("moa;dtype=fp16")
+
+
+def test_the_cpus_dtype_choice_is_measured_once_and_kept(tmp_path, monkeypatch):
+    """QA 57 gen finding 1: one timing per process, on a busy machine, sometimes chose fp32 over
+    bf16, so a seeded sampled answer of a trained drafter did not repeat. The choice is now kept
+    on disk per CPU model and torch version; a damaged file is measured again."""
+    from splitspec.shared import models
+
+    monkeypatch.setenv("SPLITSPEC_CACHE", str(tmp_path))
+    timed = []
+    monkeypatch.setattr(models, "_matmul_seconds",
+                        lambda dtype, rounds=5: timed.append(dtype) or (1.0 if dtype == torch.bfloat16 else 2.0))
+    models.fastest_dtype.cache_clear()
+    try:
+        assert models.fastest_dtype("cpu") == "bfloat16" and len(timed) == 2
+        models.fastest_dtype.cache_clear()
+        monkeypatch.setattr(models, "_matmul_seconds", lambda dtype, rounds=5: pytest.fail("measured again"))
+        assert models.fastest_dtype("cpu") == "bfloat16"  # another process: read from the file
+        (tmp_path / models.DTYPE_CHOICES).write_text("{not json")
+        models.fastest_dtype.cache_clear()
+        monkeypatch.setattr(models, "_matmul_seconds", lambda dtype, rounds=5: 1.0)  # no 1.25x gain
+        assert models.fastest_dtype("cpu") == "float32"
+    finally:
+        models.fastest_dtype.cache_clear()
