@@ -246,7 +246,8 @@ def cmd_generate(args, local_verifier=None) -> None:
     if args.json:
         print(json.dumps({"mode": setup.mode, "drafter": setup.decoder.drafter.name, "prompt_tokens": len(prompt_ids),
                           "token_ids": gen.tokens, "sources": gen.sources, "text": text, "complete": True,
-                          "stopped_by_eos": gen.stopped_by_eos, "stats": gen.stats.as_dict(),
+                          "stopped_by_eos": gen.stopped_by_eos, "context_full": gen.context_full,
+                          "stats": gen.stats.as_dict(),
                           "calls": [asdict(c) for c in gen.stats.calls]}))
     else:
         if gen.context_full:

@@ -84,8 +84,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         """True for temperatures below MIN_TEMPERATURE, compared as the float32 the wire carries so
-        that client and server always agree."""
-        return as_float32(self.temperature) < as_float32(MIN_TEMPERATURE)
+        that client and server always agree, and for top-k 1, whose distribution is all on the
+        argmax: sampling it is greedy decoding, and taken as sampled it switched off what only
+        greedy answers use (TokenSwift's n-gram chains, prompt lookup below the root: QA 57)."""
+        return as_float32(self.temperature) < as_float32(MIN_TEMPERATURE) or self.top_k == 1
 
     @classmethod
     def from_pb(cls, msg) -> "SamplingParams":

@@ -180,3 +180,14 @@ def test_warped_probabilities_equal_transformers_sampling(temperature, top_k, to
     got = warp_probs(logits, SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k))
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
     assert torch.equal(got > 0, expected > 0)  # the same tokens kept
+
+
+def test_top_k_1_is_greedy_decoding():
+    """All of top-k 1's probability is on the argmax, at any temperature: client and server take it
+    as greedy (both read the same property from the same wire values)."""
+    from splitspec.shared.sampling import SamplingParams
+    from splitspec.v1 import verify_pb2 as pb
+
+    assert SamplingParams(0.9, 0.95, 1, 7).greedy and SamplingParams(0.0).greedy
+    assert not SamplingParams(0.9, 1.0, 2).greedy and not SamplingParams(0.9).greedy
+    assert SamplingParams.from_pb(SamplingParams(0.9, 1.0, 1).to_pb(pb.SamplingParams)).greedy

@@ -32,6 +32,13 @@ def test_generate_local_json_equals_generate(stories, stories_path, capsys):
     expected = ref[: ref.index(eos) + 1] if eos in ref else ref
     assert result["token_ids"] == expected
     assert result["stats"]["new_tokens"] == len(expected) and result["mode"] == "single-device"
+    assert result["context_full"] is False  # said in --json too (QA 57: only the text mode said it)
+    # top-k 1 at any temperature is greedy decoding, and is run as such (QA 57: as sampled, it
+    # switched off what only greedy answers use)
+    code, out, _ = _run(capsys, ["generate", "--local", "--target", str(stories_path), "--prompt", "Once upon a time",
+                                 "--drafter", "ngram", "--max-new-tokens", "30", "--json", "--temperature", "0.9",
+                                 "--top-k", "1", "--seed", "4"])
+    assert code == 0 and json.loads(out)["token_ids"] == expected
 
 
 def test_generate_json_reports_what_was_written_when_the_link_stays_down(stories, stories_path, capsys):
