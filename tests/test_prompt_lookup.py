@@ -105,10 +105,12 @@ def test_spec_grammar():
             DrafterSpec.parse(bad)
     assert DrafterSpec.parse("auto;lookup=4").resolve("no-such-target") == DrafterSpec("ngram")
     # options that do nothing for ngram / none made second bench arms of one drafter (QA 57)
-    for bad, word in (("ngram;quant=fp8", "quant="), ("none;tree=2x2x4", "tree="), ("ngram;vocab=100", "vocab=")):
+    for bad, word in (("ngram;quant=fp8", "quant="), ("none;tree=2x2x4", "tree="), ("ngram;vocab=100", "vocab="),
+                      ("swift;vocab=100", "vocab="), ("draft-model:x;vocab=9", "vocab="), ("eagle2;lsa=server", "lsa=")):
         with pytest.raises(ValueError, match=f"takes no {word}"):
             DrafterSpec.parse(bad)
     assert DrafterSpec.parse("ngram", quant="fp8", lsa="server").kind == "ngram"  # defaults fill in silently
+    assert DrafterSpec.parse("moa;lsa=server;vocab=100").vocab == 100 and DrafterSpec.parse("auto;lsa=client").lsa == "client"
 
 
 @pytest.mark.parametrize("mode", ["local", "split"])

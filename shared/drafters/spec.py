@@ -110,10 +110,12 @@ class DrafterSpec:
             raise ValueError(f"unknown drafter options {sorted(unknown)} in {text!r}; expected "
                              + ", ".join(f"{o}=" for o in options))
         spec = replace(cls(**_name_fields(name), **defaults), **_option_fields(given, text))
-        idle = [key for key in given if key in MODEL_OPTIONS or (key == "tree" and spec.kind == "none")]
-        if spec.kind in NO_LOOKUP and idle:  # a no-op option made a second bench arm of the same drafter
-            raise ValueError(f"{spec.kind} takes no {', '.join(k + '=' for k in idle)} in {text!r} ("
-                             + ("none drafts nothing" if spec.kind == "none" else "ngram runs no model") + ")")
+        # an option that does nothing for this drafter, given explicitly, is refused: it made a second
+        # bench arm of the same drafter, or a user believe it applied (QA 57)
+        idle = {key: why for key, why in _idle_options(spec.kind).items() if key in given}
+        if idle:
+            raise ValueError(f"{spec.kind} takes no {', '.join(k + '=' for k in idle)} in {text!r} "
+                             f"({'; '.join(dict.fromkeys(idle.values()))})")
         return spec
 
     @property
@@ -194,6 +196,20 @@ def _name_fields(name: str) -> dict:
         except ValueError:
             raise ValueError(f"swift takes only ratio=R (a share of layers in [0, 1)), got {name!r}") from None
     return {"kind": kind, "path": arg}
+
+
+def _idle_options(kind: str) -> dict[str, str]:
+    """The options that do nothing for drafters of `kind`, each with why."""
+    idle = {}
+    if kind in NO_LOOKUP:
+        idle |= {key: "none drafts nothing" if kind == "none" else "ngram runs no model" for key in MODEL_OPTIONS}
+        if kind == "none":
+            idle["tree"] = "none drafts nothing"
+    if kind not in (*SELF_DRAFTING, "auto", *NO_LOOKUP):
+        idle["vocab"] = "the draft vocabulary (FR-Spec) is for moa, eagle2, falcon and tokenswift"
+    if kind not in ("moa", "auto", *NO_LOOKUP):
+        idle["lsa"] = "LSA placement is MoA's"
+    return idle
 
 
 def _option_fields(given: dict[str, str], text: str) -> dict:
