@@ -40,7 +40,7 @@ from splitspec.netsim.backends import RelayBackend
 from splitspec.server.local import LocalVerifier
 from splitspec.server.runner import TargetRunner
 from splitspec.shared.drafters.spec import SELF_DRAFTING, DrafterSpec
-from splitspec.shared.models import encode_chat, eos_token_ids, load_model
+from splitspec.shared.models import cpu_model, encode_chat, eos_token_ids, load_model
 from splitspec.shared.records import AnswerRecord
 from splitspec.shared.reference import target_greedy, target_sampled
 from splitspec.shared.sampling import SamplingParams
@@ -476,11 +476,5 @@ def source_commit() -> str:
 
 def machine_description(threads: int) -> str:
     """CPU model, logical CPU count, OS, torch version and the pinned thread count."""
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return (f"{cpu}, {os.cpu_count()} logical CPUs, {platform.system()} {platform.release()}, "
+    return (f"{cpu_model()}, {os.cpu_count()} logical CPUs, {platform.system()} {platform.release()}, "
             f"torch {torch.__version__}, CPU inference, {threads} torch thread(s) per process")

@@ -734,7 +734,7 @@ def fastest_dtype(device: str = "cpu") -> str:
     measure again."""
     if torch.device(device).type != "cpu":
         return "bfloat16"
-    key = f"{_cpu_model()}|torch {torch.__version__}"
+    key = f"{cpu_model()}|torch {torch.__version__}"
     path = cache_root() / DTYPE_CHOICES
     try:
         known = json.loads(path.read_text())
@@ -768,7 +768,7 @@ def _matmul_seconds(dtype: torch.dtype, rounds: int = 5) -> float:
     return best
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     """The CPU's model name (/proc/cpuinfo on Linux), else the platform's processor string."""
     import platform
 
