@@ -302,7 +302,7 @@ def cmd_bench(args) -> None:
                   f"{report['steps']} search steps)", file=sys.stderr)
     if cfg.out:
         cfg.out.mkdir(parents=True, exist_ok=True)
-        (cfg.out / "results.jsonl").write_text("".join(json.dumps(r.to_json()) + "\n" for r in records))
+        write_results(cfg.out, records)
         (cfg.out / "table.md").write_text(table + "\n")
         if reports:
             (cfg.out / "drafters.json").write_text(json.dumps(reports, indent=1) + "\n")
@@ -364,6 +364,11 @@ def build_arms(cfg: BenchConfig, stack: contextlib.ExitStack, model, tokenizer, 
 OUTPUTS = ("results.jsonl", "table.md", "drafters.json", *PLOTS)
 
 
+def write_results(out: Path, records: list[BenchRecord]) -> None:
+    """--out/results.jsonl: one JSON record per answer (bench/metrics.py `BenchRecord.to_json`)."""
+    (out / "results.jsonl").write_text("".join(json.dumps(r.to_json()) + "\n" for r in records))
+
+
 def keep_interrupted(cfg: BenchConfig, records: list[BenchRecord]) -> None:
     """After Ctrl-C or SIGTERM: write the answers finished so far to --out/results.jsonl (no table or
     plots: the arms would be compared over different prompts) and say so on stderr."""
@@ -373,7 +378,7 @@ def keep_interrupted(cfg: BenchConfig, records: list[BenchRecord]) -> None:
     if not cfg.out:
         print(f"bench: interrupted after {len(records)} answers (nothing kept: no --out)", file=sys.stderr)
         return
-    (cfg.out / "results.jsonl").write_text("".join(json.dumps(r.to_json()) + "\n" for r in records))
+    write_results(cfg.out, records)
     print(f"bench: interrupted; the {len(records)} answers finished are in {cfg.out / 'results.jsonl'} "
           "(no table: rerun for one)", file=sys.stderr)
 
