@@ -95,8 +95,7 @@ class EvalConfig:
             raise ValueError("--limit, --exec-timeout and --threads must be positive")
         for name in self.drafters:  # before any model loads (run_experiment checks what `auto` became)
             if DrafterSpec.parse(name).kind in ("none", "ngram"):
-                raise ValueError(f"drafter {name!r} cannot write alone; offline-eval needs draft-model, moa, "
-                                 "eagle2 or falcon")
+                raise _cannot_write_alone(name)
 
     overwrite: bool = False
 
@@ -125,6 +124,12 @@ class EvalConfig:
         return (f"splitspec offline-eval --target {self.target} --drafters {','.join(self.drafters)} "
                 f"--cut-after {self.cut_after} --limit {self.limit} --max-new-tokens {self.max_new_tokens}"
                 + (f" --problems {self.problems}" if self.problems else "") + f" --out {self.out}")
+
+
+def _cannot_write_alone(name: str) -> ValueError:
+    """The refusal of a drafter that writes nothing without the target (none, ngram): with the link
+    cut for good it would wait for a link that never returns."""
+    return ValueError(f"drafter {name!r} cannot write alone; offline-eval needs draft-model, moa, eagle2 or falcon")
 
 
 # --- the link cut ---------------------------------------------------------------------------------
@@ -523,7 +528,7 @@ def run_experiment(cfg: EvalConfig, problems: list[dict]) -> tuple[list[dict], d
     for name in cfg.drafters:
         drafter = make_drafter(DrafterSpec.parse(name), target_fingerprint=fingerprint, target=cfg.target, target_model=model)
         if isinstance(drafter, (NoDrafter, NgramDrafter)):  # they would wait for a link that never returns
-            raise ValueError(f"drafter {name!r} cannot write alone; offline-eval needs draft-model, moa, eagle2 or falcon")
+            raise _cannot_write_alone(name)
         decoders[name] = SpeculativeDecoder(verifier, drafter, policy)
     eos = list(eos_token_ids(model, tokenizer))
     warm = encode_chat(tokenizer, [{"role": "user", "content": "Hello."}])  # first-call costs out of the timings
