@@ -216,8 +216,11 @@ def _check_folder(folder: Path, name: str, *, config: bool = True) -> None:
                 with safe_open(str(weights), framework="pt"):
                     pass
             except (OSError, SafetensorError) as err:
-                raise ValueError(f"model {name}: a weights file there is not a valid safetensors file, truncated "
-                                 f"or damaged ({weights.name}: {err}){_repair_hint(folder, name)}") from err
+                raise ValueError(f"model {name}: {_DAMAGED_WEIGHTS} ({weights.name}: {err})"
+                                 f"{_repair_hint(folder, name)}") from err
+
+
+_DAMAGED_WEIGHTS = "a weights file there is not a valid safetensors file, truncated or damaged"
 
 
 def _repair_hint(folder: Path, name: str) -> str:
@@ -530,7 +533,7 @@ def _from_pretrained(load, path: str, name: str, **kwargs):
         except (ValueError, OSError, KeyError, TypeError, RuntimeError, SafetensorError) as err:  # bad JSON,
             where = name if name == path else f"{name} ({path})"  # truncated weights, shapes unlike the config
             if isinstance(err, SafetensorError):
-                what = f"a weights file there is not a valid safetensors file, truncated or damaged ({err})"
+                what = f"{_DAMAGED_WEIGHTS} ({err})"
             elif isinstance(err, RuntimeError) and "mismatched" in str(err):  # transformers' report is a log
                 what = "its weights' tensor shapes differ from what its config.json describes"  # line we silence
             elif isinstance(err, RuntimeError):
@@ -538,17 +541,17 @@ def _from_pretrained(load, path: str, name: str, **kwargs):
             else:
                 what = _first_line(err)
             raise ValueError(f"model {where}: {what}{_repair_hint(Path(path), name)}") from err
+    nowhere = f"model {name}: no such local folder or .gguf file, and not a Hugging Face model id"
     if path.startswith(("/", "./", "../", "~")) or path.count("/") > 1:  # no hub id has these shapes
-        raise ValueError(f"model {name}: no such local folder or .gguf file, and not a Hugging Face model id")
+        raise ValueError(nowhere)
     from huggingface_hub.errors import HFValidationError
 
     try:
         return load(path, local_files_only=True, **kwargs)
     except OSError as err:
         cache_miss = err
-    except HFValidationError:  # no repo id either: a path that does not exist ("./x", "/a/b/c")
-        raise ValueError(f"model {name}: no such local folder or .gguf file, and not a Hugging Face model id"
-                         ) from None
+    except HFValidationError:  # no repo id either, in another shape huggingface_hub refuses
+        raise ValueError(nowhere) from None
     why = _hub_state()
     if why is not None:
         raise ValueError(f"model {name}: not an alias, a local folder or .gguf file, or a Hugging Face model in "
