@@ -114,9 +114,7 @@ def parse_private_tags(text: str, strict: bool = True, spans: Sequence[tuple[int
         opening = not match.group(1)
         if strict and (depth if opening else not depth):
             raise ValueError("unmatched or nested <private> tag")
-        if depth:  # the text since the previous tag was inside a span
-            private[boundary:match.start()] = b"\x01" * (match.start() - boundary)
-        elif not opening:  # a closing tag with no span open: fail closed
+        if depth or not opening:  # inside a span, or before a closing tag with none open (fail closed)
             private[boundary:match.start()] = b"\x01" * (match.start() - boundary)
         depth = depth + 1 if opening else max(depth - 1, 0)
         boundary = match.end()
