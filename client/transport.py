@@ -215,7 +215,7 @@ class RemoteVerifier(Verifier):
         return None
 
     def open(self, prompt_ids, sampling, features, cancelled=None):
-        abandoned = self.abandoned_opens[-MAX_ABANDONED_OPENS:]
+        abandoned = list(self.abandoned_opens)  # at most MAX_ABANDONED_OPENS: kept so below
         request = pb.OpenSessionRequest(prompt_ids=prompt_ids, sampling=sampling.to_pb(pb.SamplingParams),
                                         features=features.to_pb(),
                                         tokenizer_fingerprint=self.info.tokenizer_fingerprint,
