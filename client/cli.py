@@ -74,12 +74,14 @@ def add_client_args(p: argparse.ArgumentParser, chat: bool = False) -> None:
                         "drafts with the target's own layers, so with --server the target's weights must also be "
                         "here (--target), and the server sends every layer's K/V; options ;lsa= ;quant= "
                         ";vocab= ;tree=DxBxN ;lookup=K override the flags below (shared/drafters/spec.py)")
-    p.add_argument("--lsa-placement", default="client", choices=["client", "server"],
-                   help="MoA: run Layer Self-Attention here (server sends all layers' K/V) or on the server")
-    p.add_argument("--feature-quant", default="int8", choices=sorted(QUANTIZATIONS),
-                   help="quantization of the features the server sends (int8: half fp16's bytes; the shipped moa's "
-                        "drafts came out identical on 28 Spec-Bench prompts, docs/benchmarks.md session 44)")
-    p.add_argument("--draft-vocab", type=int, default=-1,
+    # these three default to None so that a drafter which ignores them can refuse them (DrafterSpec.parse)
+    p.add_argument("--lsa-placement", default=None, choices=["client", "server"],
+                   help="MoA: run Layer Self-Attention here (server sends all layers' K/V) or on the server "
+                        "(default: client)")
+    p.add_argument("--feature-quant", default=None, choices=sorted(QUANTIZATIONS),
+                   help="quantization of the features the server sends (default int8: half fp16's bytes; the shipped "
+                        "moa's drafts came out identical on 28 Spec-Bench prompts, docs/benchmarks.md session 44)")
+    p.add_argument("--draft-vocab", type=int, default=None,
                    help="moa/eagle2/falcon/tokenswift: draft among the N most frequent tokens (FR-Spec); 0 = the full vocabulary; "
                         f"default: {DEFAULT_DRAFT_VOCAB} when the target has shipped token counts")
     p.add_argument("--prompt-lookup", type=int, default=-1, metavar="K",
@@ -155,9 +157,11 @@ def client_config(args):
     tree = TreeConfig(depth=args.tree_depth, top_b=args.tree_top_b, max_nodes=args.tree_nodes)
     if args.no_spec and args.adaptive_tree:  # the drafter check below would name a "none" never given
         raise ValueError("--adaptive-tree picks draft trees, and --no-spec sends none: use one of them")
-    drafter = DrafterSpec.parse("none" if args.no_spec else args.drafter, lsa=args.lsa_placement,
-                                quant=args.feature_quant, vocab=args.draft_vocab, tree=tree, lookup=args.prompt_lookup,
-                                adaptive=args.adaptive_tree)
+    flags = {"lsa": "--lsa-placement", "quant": "--feature-quant", "vocab": "--draft-vocab"}
+    given = {key: getattr(args, flag[2:].replace("-", "_")) for key, flag in flags.items()}
+    given = {key: value for key, value in given.items() if value is not None}
+    drafter = DrafterSpec.parse("none" if args.no_spec else args.drafter, tree=tree, lookup=args.prompt_lookup,
+                                adaptive=args.adaptive_tree, flags={key: flags[key] for key in given}, **given)
     return ClientConfig(
         target=args.target, drafter=drafter, server=None if args.local else args.server,
         sampling=SamplingParams(temperature, top_p, args.top_k, 0 if args.seed is None else args.seed,

@@ -367,6 +367,32 @@ def test_no_spec_with_adaptive_tree_names_the_flags(capsys):
     assert code == 2 and "--adaptive-tree picks draft trees, and --no-spec sends none" in err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--drafter", "eagle2", "--lsa-placement", "client"], "--lsa-placement does nothing for the drafter eagle2"),
+    (["--drafter", "swift", "--draft-vocab", "100"], "--draft-vocab does nothing for the drafter swift"),
+    (["--drafter", "ngram", "--feature-quant", "fp8"], "--feature-quant does nothing for the drafter ngram"),
+    (["--no-spec", "--draft-vocab", "0"], "--draft-vocab does nothing for the drafter none"),
+])
+def test_a_flag_the_drafter_ignores_is_refused_before_loading(argv, message, capsys):
+    """QA 57: --lsa-placement / --draft-vocab / --feature-quant passed silently for drafters that do
+    nothing with them (the same options written after the drafter's name were already refused)."""
+    code, _, err = _run(capsys, ["generate", "--local", "--target", "/no/such/model", "--prompt", "x", *argv])
+    assert code == 2 and message in err, err
+
+
+def test_flags_a_drafter_uses_still_apply():
+    from splitspec.cli.main import build_parser
+    from splitspec.client.cli import client_config
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--drafter", "moa", "--lsa-placement", "server", "--draft-vocab",
+                                      "100", "--feature-quant", "fp16"])
+    spec = client_config(args).drafter
+    assert (spec.lsa, spec.vocab, spec.quant) == ("server", 100, "fp16")
+    spec = client_config(build_parser().parse_args(["generate", "--prompt", "x", "--drafter", "moa;vocab=7", "--draft-vocab", "9"])).drafter
+    assert spec.vocab == 7  # an option after the name still wins over the flag
+    default = client_config(build_parser().parse_args(["generate", "--prompt", "x", "--drafter", "eagle2"])).drafter
+    assert (default.lsa, default.vocab, default.quant) == ("client", -1, "int8")
+
+
 def test_missing_shipped_checkpoint_names_what_ships_and_how_to_train(capsys):
     from splitspec.shared.drafters.spec import DrafterSpec
 
@@ -400,7 +426,7 @@ def test_train_command_defaults_are_the_trainers():
 
 
 @pytest.mark.parametrize("argv, shown", [
-    (["generate"], ["--max-new-tokens MAX_NEW_TOKENS", "default: 256", "0 = greedy (default: 0.0)", "(default: int8)"]),
+    (["generate"], ["--max-new-tokens MAX_NEW_TOKENS", "default: 256", "0 = greedy (default: 0.0)", "(default int8:"]),
     (["netsim", "run"], ["(default: 600.0)"]),
     (["offline-eval"], ["(default smollm2-135m)"]),  # a help that names its default keeps its own words
     (["serve-bench"], ["(default: 1,4,8,16)"]),  # a list as it is typed (QA 57: "[1, 4, 8, 16]")

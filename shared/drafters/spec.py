@@ -94,11 +94,17 @@ class DrafterSpec:
             raise ValueError(f"{self.kind} takes no lookup= (ngram is prompt lookup; none drafts nothing)")
 
     @classmethod
-    def parse(cls, text: str, *, options: tuple[str, ...] = OPTIONS, **defaults) -> "DrafterSpec":
+    def parse(cls, text: str, *, options: tuple[str, ...] = OPTIONS, flags: dict[str, str] | None = None,
+              **defaults) -> "DrafterSpec":
         """Parse `text`; `defaults` (lsa, quant, vocab, tree) fill the options it leaves out.
 
+        `flags` maps the defaults the user set by hand to the flag that set them (`{"lsa":
+        "--lsa-placement"}`): like an option written in `text`, such a flag is refused where this
+        drafter does nothing with it (a command with one drafter; bench's flags apply to many).
+
         Raises:
-            ValueError: bad grammar, or an option not among `options`.
+            ValueError: bad grammar, an option not among `options`, or an option or flag this drafter
+                does not use.
         """
         name, *pairs = text.strip().split(";")
         try:
@@ -115,6 +121,11 @@ class DrafterSpec:
         idle = {key: why for key, why in _idle_options(spec.kind).items() if key in given}
         if idle:
             raise ValueError(f"{spec.kind} takes no {', '.join(k + '=' for k in idle)} in {text!r} "
+                             f"({'; '.join(dict.fromkeys(idle.values()))})")
+        idle = {flag: _idle_options(spec.kind)[key] for key, flag in (flags or {}).items()
+                if key in _idle_options(spec.kind)}
+        if idle:
+            raise ValueError(f"{', '.join(idle)} does nothing for the drafter {spec.kind} "
                              f"({'; '.join(dict.fromkeys(idle.values()))})")
         return spec
 
