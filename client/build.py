@@ -65,6 +65,7 @@ class ClientSetup:
     sampling: SamplingParams
     mode: str
     target: str = DEFAULT_TARGET  # the target's name as this client loads it (tokenizer, shipped drafters)
+    notes: tuple[str, ...] = ()  # what the user should know before the first answer (`limit_notes`)
 
 
 def build_client(cfg: ClientConfig, local_verifier: LocalVerifierFactory | None = None,
@@ -92,7 +93,23 @@ def build_client(cfg: ClientConfig, local_verifier: LocalVerifierFactory | None 
                            seed=cfg.sampling.seed)
     planner = TreePlanner() if cfg.drafter.adaptive else None
     return ClientSetup(SpeculativeDecoder(verifier, drafter, cfg.offline, planner), tokenizer,
-                       chat_sampling(cfg, target), mode, target)
+                       chat_sampling(cfg, target), mode, target, limit_notes(cfg.drafter, verifier.info))
+
+
+def limit_notes(spec: DrafterSpec, info) -> tuple[str, ...]:
+    """A line saying what the loop cuts each step (client/loop.py `_limits`) when `spec` asks for more
+    than the verifier takes in one (`info`: its ServerInfo): a fixed draft tree deeper or larger, a
+    prompt-lookup chain longer. Adaptive trees are chosen within the limits."""
+    tree, cut = spec.tree, []
+    if spec.kind != "none" and not spec.adaptive and (tree.depth > info.max_tree_depth
+                                                      or tree.max_nodes > info.max_tree_nodes):
+        cut.append(f"the {tree.depth}x{tree.top_b}x{tree.max_nodes} draft tree")
+    if spec.lookup_depth > min(info.max_tree_depth, info.max_tree_nodes):
+        cut.append(f"the {spec.lookup_depth}-token prompt-lookup chain")
+    if not cut:
+        return ()
+    return (f"the verifier takes draft trees of at most depth {info.max_tree_depth} and {info.max_tree_nodes} "
+            f"nodes a step: {' and '.join(cut)} {'are' if len(cut) > 1 else 'is'} cut to that",)
 
 
 def chat_sampling(cfg: ClientConfig, target: str) -> SamplingParams:

@@ -219,11 +219,14 @@ def _messages(args, history: list[dict[str, str]]) -> list[dict[str, str]]:
 def _setup(args, local_verifier):
     from .build import build_client
 
-    return build_client(client_config(args), local_verifier, on_busy=_say_waiting)
+    setup = build_client(client_config(args), local_verifier, on_busy=_tell)
+    for note in setup.notes:
+        _tell(note)
+    return setup
 
 
-def _say_waiting(message: str) -> None:
-    """Tell the user on stderr why the client waits (stdout may hold --json output)."""
+def _tell(message: str) -> None:
+    """Tell the user on stderr why the client waits, or what it cuts (stdout may hold --json output)."""
     print(f"splitspec: {message}", file=sys.stderr, flush=True)
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from splitspec.cli.main import main
 from splitspec.server.runner import TargetRunner
+from splitspec.shared.config import ServerLimits
 
 from .helpers import reference_greedy
 
@@ -78,6 +79,24 @@ def test_generate_split_streams_and_reports(stories, stories_path, serve, capsys
                                  "--prompt", "Tom had a red ball", "--no-spec", "--max-new-tokens", "10", "--json"])
     stats = json.loads(out)["stats"]
     assert stats["target_calls"] == stats["new_tokens"] and stats["bytes_sent"] > 0
+
+
+def test_a_tree_beyond_the_servers_limits_is_cut_with_a_note(stories, stories_path, serve, capsys):
+    """QA 57: a draft tree or lookup chain larger than the server takes was cut each step without a
+    word. Now one line on stderr says so; the answer is still the target's."""
+    model, tokenizer, model_id = stories
+    server = serve(TargetRunner(model, tokenizer, model_id), ServerLimits(max_tree_nodes=6, max_tree_depth=4))
+    argv = ["generate", "--server", server.address, "--target", str(stories_path), "--prompt", "Tom had a red ball",
+            "--drafter", f"draft-model:{stories_path}@layers=2", "--max-new-tokens", "12", "--json"]
+    code, out, err = _run(capsys, [*argv, "--tree-depth", "5", "--tree-nodes", "10", "--prompt-lookup", "3"])
+    assert code == 0 and err.count("splitspec: the verifier takes draft trees of at most depth 4 and 6 nodes") == 1
+    assert "the 5x2x10 draft tree is cut to that" in err, err
+    baseline = _run(capsys, [*argv[:argv.index("--drafter")], "--no-spec", "--max-new-tokens", "12", "--json"])[1]
+    assert json.loads(out)["token_ids"] == json.loads(baseline)["token_ids"]
+    code, _, err = _run(capsys, [*argv, "--tree-depth", "3", "--tree-nodes", "6", "--prompt-lookup", "5"])
+    assert code == 0 and "the 5-token prompt-lookup chain is cut to that" in err and "draft tree is" not in err
+    code, _, err = _run(capsys, [*argv, "--tree-depth", "4", "--tree-nodes", "6", "--prompt-lookup", "4"])
+    assert code == 0 and "verifier takes" not in err
 
 
 def test_sampling_is_seeded(stories_path, capsys):

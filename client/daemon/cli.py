@@ -77,7 +77,7 @@ def cmd_up(args, local_verifier=None) -> None:
           f"{sampling.temperature:g} top-p {sampling.top_p:g}{extra}{', API key required' if api_key else ''}\n"
           f"  chat page        {server.url}/\n"
           f"  OpenAI base URL  {server.url}/v1\n  health           {server.url}/health\n"
-          f"  chat history     {history.path}", flush=True)
+          f"  chat history     {history.path}" + "".join(f"\n  note: {note}" for note in setup.notes), flush=True)
     interrupted = False
     try:
         server.run()
