@@ -281,14 +281,28 @@ def _pull_gguf(path: Path, force: bool) -> Path:
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path):
-    """Hold an exclusive `flock` on `path` (created if missing) for the `with` block."""
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+def _file_lock(path: Path, wait: bool = True):
+    """Hold an exclusive `flock` on `path` for the `with` block; yields True, or False at once when
+    another process holds it and not `wait`. The file is made for the block and removed at its end,
+    still held, so that none stays behind (a failed conversion left them); a process that locked a
+    file removed meanwhile (another inode is at `path`, or none) takes the lock again on the new one."""
+    while True:
+        with open(path, "a") as handle:  # closing it releases the lock
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            try:
+                held = os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino
+            except FileNotFoundError:
+                held = False
+            if held:
+                try:
+                    yield True
+                finally:
+                    path.unlink(missing_ok=True)
+                return
 
 
 def _lock_path(target: Path) -> Path:
@@ -359,10 +373,8 @@ def _remove_older_copies(target: Path, gguf_path: str) -> None:
                 continue
         except (OSError, ValueError, AttributeError):  # no SOURCE: not known to be a copy of this file
             continue
-        with open(_lock_path(folder), "a") as handle:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+        with _file_lock(_lock_path(folder), wait=False) as held:
+            if not held:
                 continue
             for stale in [folder, *target.parent.glob(glob.escape(folder.name) + ".partial*")]:
                 shutil.rmtree(stale, ignore_errors=True)

@@ -164,6 +164,36 @@ def test_concurrent_pulls_of_one_gguf_convert_it_once(cache, conversions, gguf):
     models.pull(str(gguf), force=True)
     assert not list(cache.glob("*.partial*"))
     assert {p.name for p in folder.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json", models.SOURCE}
+    assert not list(cache.glob("*.lock"))  # each conversion removed its lock file
+
+
+def test_a_lock_file_is_removed_after_use_and_still_excludes(tmp_path):
+    """QA 57: a failed conversion left its 0-byte `.lock` file in the cache for good. The lock file
+    is now removed by its holder; one who waited on the removed file takes the lock anew."""
+    path, inside, overlaps = tmp_path / "x.lock", [], []
+
+    def hold(n: int) -> None:
+        for _ in range(n):
+            with models._file_lock(path) as held:
+                assert held
+                inside.append(1)
+                overlaps.append(len(inside))
+                time.sleep(0.002)
+                inside.pop()
+
+    threads = [threading.Thread(target=hold, args=(40,)) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert len(overlaps) == 120 and set(overlaps) == {1}  # never two holders at once
+    assert not path.exists()
+    with pytest.raises(RuntimeError):
+        with models._file_lock(path):
+            with models._file_lock(path, wait=False) as second:
+                assert second is False  # held: not waited for
+            raise RuntimeError("a failed conversion")
+    assert not path.exists()
 
 
 def test_an_incomplete_converted_copy_is_made_again_and_pull_force_remakes_it(cache, conversions, gguf, capsys):
