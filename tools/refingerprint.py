@@ -8,8 +8,8 @@ FOLDER holds checkpoint folders (*/drafter.json) and/or token_counts.safetensors
 client/checkpoints/smollm2-135m (old eef6760a4c23680090c0f888059aed12) or a training run's folder.
 Only the fingerprint changes; a file that records another fingerprint is refused, none is written.
 """
+import argparse
 import json
-import sys
 from pathlib import Path
 
 from safetensors import safe_open
@@ -39,6 +39,9 @@ def main(target: str, folder: Path, old: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 4:
-        raise SystemExit(__doc__)
-    main(sys.argv[1], Path(sys.argv[2]), sys.argv[3])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("target", help="the target model (alias, path or Hugging Face id)")
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("old_fingerprint")
+    args = parser.parse_args()
+    main(args.target, args.folder, args.old_fingerprint)

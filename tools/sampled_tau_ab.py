@@ -8,8 +8,8 @@ top-p 0.9, the default tree. The old rule is rebuilt around the current `_add_ch
 draws): each sampled child's score becomes its parent's plus the log of its own token's probability,
 capped by the previous sibling's. docs/benchmarks.md "Session 52" has the figures.
 """
+import argparse
 import math
-import sys
 
 import torch
 
@@ -37,9 +37,12 @@ def drawn_scores(pool, rows, parent, parent_score, depth, logits, top_b, samplin
 
 
 def main() -> None:
-    drafter = sys.argv[1] if len(sys.argv) > 1 else "moa"
-    per_category = int(sys.argv[2]) if len(sys.argv) > 2 else 1
-    new_tokens = int(sys.argv[3]) if len(sys.argv) > 3 else 48
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("drafter", nargs="?", default="moa")
+    parser.add_argument("per_category", nargs="?", type=int, default=1, help="Spec-Bench prompts of each category")
+    parser.add_argument("new_tokens", nargs="?", type=int, default=48)
+    args = parser.parse_args()
+    drafter, per_category, new_tokens = args.drafter, args.per_category, args.new_tokens
     torch.set_num_threads(2)
     setup = build.build_client(build.ClientConfig(target="smollm2-135m", drafter=DrafterSpec.parse(drafter),
                                                   server=None, sampling=SamplingParams(0.7, 0.9)),
