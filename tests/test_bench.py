@@ -238,8 +238,10 @@ def test_method_options_and_config_errors():
     # features travel int8 unless a method or the user says otherwise (half fp16's bytes, session 44)
     assert cfg.feature_quant == DrafterSpec("moa").quant == "int8" == cfg.split_spec("moa").quant
     assert cfg.split_spec("moa;quant=fp16").quant == "fp16"
-    client = build_parser().parse_args(["generate", "--prompt", "x"])
-    assert client.feature_quant == "int8"
+    from splitspec.client.cli import client_config
+
+    client = client_config(build_parser().parse_args(["generate", "--prompt", "x", "--drafter", "moa"]))
+    assert client.drafter.quant == "int8"  # --feature-quant's default, left unset (None) on the flag
     assert {"none", "ngram", "eagle2", "moa", "moa:tli=1"} <= set(cfg.methods) and cfg.local_methods == ("moa",)
     assert any(m.startswith("draft-model:") for m in cfg.methods)
     with pytest.raises(ValueError, match="backend"):
