@@ -50,9 +50,16 @@ def main(argv: list[str] | None = None) -> int:
         return 3
 
 
+DESCRIPTION = ("Split speculative decoding: a drafter on this device proposes draft trees, a target model behind a gRPC\n"
+               "verify service checks each in one forward pass; the answer is exactly the target's. `splitspec demo`\n"
+               "runs both ends here; README.md has the rest.")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="splitspec", description=__doc__.splitlines()[0])
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser = argparse.ArgumentParser(prog="splitspec", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # --version on one line
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level (default: warnings only)")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("pull", help="obtain a model and cache a converted copy")
     p.add_argument("model", nargs="?", default=DEFAULT_TARGET)
@@ -68,6 +75,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parsers(sub)
     _show_defaults(parser)
     return parser
+
+
+def _version() -> str:
+    """splitspec's installed version and the libraries that decide its numbers (for bug reports)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(package: str) -> str:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return "not installed"
+    return (f"splitspec {of('splitspec')} (torch {of('torch')}, transformers {of('transformers')}, "
+            f"grpcio {of('grpcio')}, Python {sys.version.split()[0]})")
 
 
 def _show_defaults(parser: argparse.ArgumentParser) -> None:

@@ -462,6 +462,14 @@ def test_help_names_each_default_once(argv, shown, capsys, monkeypatch):
     assert "default: [" not in out and "default: (" not in out
 
 
+def test_version_names_the_libraries_behind_the_numbers(capsys):
+    with pytest.raises(SystemExit) as end:
+        main(["--version"])
+    out = capsys.readouterr().out
+    assert end.value.code == 0 and out.startswith("splitspec ") and out.split()[1][0].isdigit() and "torch 2." in out and "transformers " in out
+    assert out.count("\n") == 1  # one line to paste into a bug report
+
+
 def test_conversation_titles_hide_private_spans(tmp_path):
     """QA 57 finding 13: the conversation list showed private text in clear, with a tag cut in half."""
     from splitspec.client.history import ChatHistory
