@@ -611,12 +611,27 @@ def encode_private_chat(tokenizer, messages: list[dict]) -> tuple[list[int], lis
     for k, start in _content_starts(tokenizer, clean, rendered,
                                     [k for k, (_, spans) in enumerate(spans_by_message) if spans]).items():
         char_spans += [(start + a, start + b) for a, b in spans_by_message[k][1]]
-    full = encode_rendered(tokenizer, rendered)
+    return encode_private_text(tokenizer, rendered, char_spans)
+
+
+def encode_private_text(tokenizer, text: str, char_spans: Sequence[tuple[int, int]]) -> tuple[list[int], list[bool]]:
+    """(prompt ids [P], private mask [P]) of `text` taken as written (shared/models.py
+    `encode_rendered`: special tokens in it are kept, BOS added), a token private when it overlaps
+    a character span [start, end) of `char_spans`: a rendered chat, or a raw completion prompt.
+
+    Raises:
+        ValueError: the tokenizer has no offset mapping or tokenizes `text` inconsistently while
+            spans are given.
+    """
+    full = encode_rendered(tokenizer, text)
     if not char_spans:
         return full, [False] * len(full)
-    enc = tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True)
+    try:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    except NotImplementedError:  # a slow tokenizer: no offsets, so no token can be told private
+        raise ValueError("this tokenizer gives no character offsets; cannot place private spans") from None
     ids = list(enc["input_ids"])
     if not ids or ids != full[-len(ids):]:
-        raise ValueError("the tokenizer renders this chat inconsistently; cannot place private spans")
+        raise ValueError("the tokenizer renders this text inconsistently; cannot place private spans")
     mask = [any(s < b and a < e for a, b in char_spans) for s, e in enc["offset_mapping"]]
-    return full, [False] * (len(full) - len(ids)) + mask  # BOS the template did not write: public
+    return full, [False] * (len(full) - len(ids)) + mask  # BOS the text did not write: public
