@@ -139,6 +139,88 @@ def test_openai_client_greedy_equals_target_streaming_and_not(runner, start, sto
     assert health["status"] == "ok" and health["link"] == "up" and health["requests"]["completed"] == 2
 
 
+class _RecordingVerifier(LocalVerifier):
+    """A LocalVerifier that keeps the prompt ids of each open: what a verify service would receive."""
+
+    def __init__(self, runner) -> None:
+        super().__init__(runner)
+        self.opened: list[list[int]] = []
+
+    def open(self, prompt_ids, *args, **kw):
+        self.opened.append(list(prompt_ids))
+        return super().open(prompt_ids, *args, **kw)
+
+
+def _complete_text(server: DaemonServer, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+
+
+def test_text_completions_continue_the_raw_prompt_as_the_target_would(runner, start):
+    """POST /v1/completions (OpenAI's legacy API, which code-completion tools speak): the prompt is
+    continued as written, no chat template, and greedy output is the target's own."""
+    from splitspec.shared.models import encode_rendered
+
+    server, tokenizer = start(_local_setup(runner)), runner.tokenizer
+    prompt = encode_rendered(tokenizer, PROMPT)
+    ref = reference_greedy(runner.model, prompt, N_NEW)
+    ref = ref[: ref.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in ref else ref
+    want = tokenizer.decode(ref, skip_special_tokens=True)
+    client = _client(server)
+    reply = client.completions.create(model=runner.model_id, prompt=PROMPT, max_tokens=N_NEW, temperature=0)
+    assert reply.object == "text_completion" and reply.id.startswith("cmpl-")
+    assert reply.choices[0].text == want and reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.usage.prompt_tokens == len(prompt) and reply.usage.completion_tokens == len(ref)
+    assert reply.model_extra["splitspec"]["stats"]["target_calls"] >= 1
+    stream = client.completions.create(model=runner.model_id, prompt=[PROMPT], max_tokens=N_NEW, temperature=0,
+                                       stream=True, stream_options={"include_usage": True})
+    chunks = [chunk.model_dump() for chunk in stream]
+    assert {c["object"] for c in chunks} == {"text_completion"} and len({c["id"] for c in chunks}) == 1
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == want
+    assert chunks[-2]["choices"][0]["finish_reason"] == reply.choices[0].finish_reason
+    assert chunks[-1]["usage"]["completion_tokens"] == reply.usage.completion_tokens
+    stop = want[len(want) // 2: len(want) // 2 + 3]
+    cut = _complete_text(server, {"model": runner.model_id, "prompt": PROMPT, "max_tokens": N_NEW, "temperature": 0,
+                                  "stop": stop}).json()["choices"][0]
+    assert cut["text"] == want[: want.index(stop)] and cut["finish_reason"] == "stop"
+    health = httpx.get(f"{server.url}/health").json()
+    assert health["requests"]["completed"] == 3
+
+
+def test_a_text_prompts_private_span_never_reaches_the_verifier(runner, start):
+    verifier = _RecordingVerifier(runner)
+    server = start(_local_setup(runner, verifier=verifier))
+    for body in ({"prompt": "Lily met a <private>zqx</private> cat"},
+                 {"prompt": "Lily met a zqx cat", "splitspec": {"private_spans": [[11, 14]]}}):
+        reply = _complete_text(server, {"model": runner.model_id, "max_tokens": 6, "temperature": 0, **body})
+        assert reply.status_code == 200 and reply.json()["splitspec"]["private_prompt_tokens"] > 0, reply.text
+    assert len(verifier.opened) == 2 and verifier.opened[0] == verifier.opened[1]
+    sent = runner.tokenizer.decode(verifier.opened[0])
+    assert "Lily met a" in sent and "cat" in sent and "zqx" not in sent and "zq" not in sent
+
+
+@pytest.mark.parametrize("fields, param, code", [
+    ({"prompt": "hi", "echo": True}, "echo", "unsupported_value"),
+    ({"prompt": "hi", "suffix": "}"}, "suffix", "unsupported_value"),
+    ({"prompt": "hi", "logprobs": 2}, "logprobs", "unsupported_value"),
+    ({"prompt": "hi", "best_of": 2}, "best_of", "invalid_value"),
+    ({"prompt": "hi", "n": 2}, "n", "invalid_value"),
+    ({"prompt": ["a", "b"]}, "prompt", "unsupported_value"),
+    ({"prompt": [1, 2, 3]}, "prompt", "invalid_value"),
+    ({}, "prompt", "invalid_value"),
+    ({"prompt": "a <private>b"}, "prompt", "invalid_value"),
+    ({"prompt": "abc", "splitspec": {"private_spans": [[2, 9]]}}, "splitspec.private_spans", "invalid_value"),
+    ({"prompt": "abc", "splitspec": {"privat_spans": [[0, 1]]}}, "splitspec.privat_spans", "invalid_value"),
+    ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "invalid_value"),
+])
+def test_text_completion_refusals_name_the_field(runner, start, fields, param, code):
+    server = start(_local_setup(runner))
+    reply = _complete_text(server, {"model": runner.model_id, **fields})
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["param"] == param and error["code"] == code, reply.text
+    assert httpx.get(f"{server.url}/health").json()["requests"]["completed"] == 0
+
+
 def test_curl_sees_sse_framing(runner, start, expected):
     if shutil.which("curl") is None:
         pytest.skip("curl not installed")
@@ -709,7 +791,7 @@ def test_foreign_host_and_non_json_bodies_are_refused(runner, start, tmp_path):
 
 def test_framework_refusals_are_openai_errors_and_models_retrieve(runner, start, tmp_path):
     server = start(_local_setup(runner), history=ChatHistory(tmp_path / "chat.sqlite3"))
-    for method, path, status, code in [("POST", "/v1/completions", 404, "unknown_url"),
+    for method, path, status, code in [("POST", "/v1/embeddings", 404, "unknown_url"),
                                        ("GET", "/v1/chat/completions", 405, "method_not_allowed"),
                                        ("GET", "/splitspec/conversations/abc", 404, "conversation_not_found"),
                                        ("GET", "/splitspec/conversations/99999999999999999999999", 404,

@@ -1,7 +1,8 @@
-"""The daemon's HTTP API (FastAPI): OpenAI's chat completions, models and a health check, with
-splitspec's additions in `splitspec` fields (docs/daemon.md).
+"""The daemon's HTTP API (FastAPI): OpenAI's chat completions, (legacy) text completions, models and
+a health check, with splitspec's additions in `splitspec` fields (docs/daemon.md).
 
     POST /v1/chat/completions   streaming (server-sent events) or not
+    POST /v1/completions        a raw prompt continued as written (no chat template), the same ways
     GET  /v1/models, GET /v1/models/{model}
     GET  /health                no API key needed, any Host header
     GET  /                      the chat page (client/daemon/static/chat.html), no API key needed
@@ -27,7 +28,7 @@ from starlette.exceptions import HTTPException
 
 from .cli import loopback_host
 from .engine import Engine, Failed, Finished, server_error
-from .schema import ApiError, parse_request
+from .schema import ApiError, Completion, parse_request, parse_text_request
 from .text import Delta
 
 log = logging.getLogger(__name__)
@@ -142,8 +143,15 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         _require_json(request)
-        body = await _read_body(request, max_request_bytes)
-        completion = parse_request(body)
+        return await answer(request, parse_request(await _read_body(request, max_request_bytes)))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        _require_json(request)
+        return await answer(request, parse_text_request(await _read_body(request, max_request_bytes)))
+
+    async def answer(request: Request, completion: Completion):
+        """The response to a checked request: an SSE stream, or one JSON object when it has finished."""
         loop, reports = asyncio.get_running_loop(), asyncio.Queue()
 
         def sink(item) -> None:  # from the worker thread
@@ -153,7 +161,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
                 pass
 
         job = await run_in_threadpool(engine.submit, completion, sink)
-        ids = _Ids(engine.config.model_ids[0])
+        ids = _Ids(engine.config.model_ids[0], text=completion.prompt is not None)
         if completion.stream:
             return StreamingResponse(_events(job, reports, ids, completion.include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -165,7 +173,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
         if isinstance(item, Failed):
             raise item.error
-        return _response(ids, item)
+        return ids.response(item)
 
     return app
 
@@ -241,15 +249,47 @@ def _too_large(limit: int) -> ApiError:
 
 
 class _Ids:
-    """The id, creation time and model every object of one completion carries."""
+    """The id, creation time and model every object of one completion carries, and the shape of its
+    objects: a chat completion's, or (`text`) a legacy text completion's (choices hold `text`)."""
 
-    def __init__(self, model: str) -> None:
-        self.id, self.created, self.model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model
+    def __init__(self, model: str, text: bool = False) -> None:
+        self.text, self.created, self.model = text, int(time.time()), model
+        self.id = f"{'cmpl' if text else 'chatcmpl'}-{uuid.uuid4().hex}"
 
-    def chunk(self, delta: dict, finish_reason: str | None = None, **extra) -> dict:
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "system_fingerprint": None,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}], **extra}
+    def chunk(self, content: str | None, extension: dict | None = None, finish_reason: str | None = None,
+              **extra) -> dict:
+        """A stream's chunk adding `content` (None: nothing, as in the last chunk), with the token
+        sources' `extension` (splitspec's) beside it."""
+        if self.text:
+            choice = {"text": content or "", "index": 0, "logprobs": None, "finish_reason": finish_reason}
+            if extension is not None:
+                choice["splitspec"] = extension
+        else:
+            delta = {} if content is None else {"content": content}
+            if extension is not None:
+                delta["splitspec"] = extension
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return self._object("text_completion" if self.text else "chat.completion.chunk", [choice], **extra)
+
+    def first(self) -> dict | None:
+        """A chat stream's opening chunk (the assistant's role); a text stream has none."""
+        if self.text:
+            return None
+        return self._object("chat.completion.chunk", [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                       "logprobs": None, "finish_reason": None}])
+
+    def response(self, done: Finished) -> dict:
+        """The whole answer as one object (a request without `stream`)."""
+        if self.text:
+            choice = {"text": done.text, "index": 0, "logprobs": None, "finish_reason": done.finish_reason}
+        else:
+            choice = {"index": 0, "message": _message(done), "logprobs": None, "finish_reason": done.finish_reason}
+        return self._object("text_completion" if self.text else "chat.completion", [choice], usage=_usage(done),
+                            splitspec=_extension(done))
+
+    def _object(self, kind: str, choices: list, **extra) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "system_fingerprint": None, "choices": choices, **extra}
 
 
 def _usage(done: Finished) -> dict:
@@ -278,31 +318,24 @@ def _message(done: Finished) -> dict:
     return message
 
 
-def _response(ids: _Ids, done: Finished) -> dict:
-    return {"id": ids.id, "object": "chat.completion", "created": ids.created, "model": ids.model,
-            "system_fingerprint": None,
-            "choices": [{"index": 0, "message": _message(done),
-                         "logprobs": None, "finish_reason": done.finish_reason}],
-            "usage": _usage(done), "splitspec": _extension(done)}
-
-
 async def _events(job, reports: asyncio.Queue, ids: _Ids, include_usage: bool):
     """The SSE stream of one completion: `data: <chunk JSON>\\n\\n` ... `data: [DONE]\\n\\n`.
     Leaving early (the client went away) cancels the job."""
     try:
-        yield _sse(ids.chunk({"role": "assistant", "content": ""}))
+        if (first := ids.first()) is not None:
+            yield _sse(first)
         while True:
             item = await reports.get()
             if isinstance(item, Delta):
-                yield _sse(ids.chunk({"content": item.content, "splitspec": item.extension()}))
+                yield _sse(ids.chunk(item.content, item.extension()))
                 continue
             if isinstance(item, Failed):
                 yield _sse(item.error.body())
             else:
                 final = {"splitspec": {**_extension(item), **({"text": item.text} if item.retracted else {})}}
-                yield _sse(ids.chunk({}, item.finish_reason, **final))
+                yield _sse(ids.chunk(None, finish_reason=item.finish_reason, **final))
                 if include_usage:
-                    yield _sse({**ids.chunk({}), "choices": [], "usage": _usage(item)})
+                    yield _sse({**ids.chunk(None), "choices": [], "usage": _usage(item)})
             yield "data: [DONE]\n\n"
             return
     finally:

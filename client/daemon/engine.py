@@ -25,7 +25,8 @@ from splitspec.shared.verifier import LinkDown
 from ..build import ClientSetup
 from ..history import ChatHistory
 from ..loop import Generation
-from ..privacy import PrivacyGuard, encode_private_chat, placeholder_token, private_answer_spans, with_private_tags
+from ..privacy import (PrivacyGuard, encode_private_chat, encode_private_text, placeholder_token, private_answer_spans,
+                       with_private_tags)
 from ..transport import retry_hint_s
 from .schema import ApiError, Completion
 from .text import AnswerText
@@ -150,22 +151,29 @@ class Engine:
                 that leaves no room in the target's context or is over the verify service's
                 `max_prompt_tokens` (code context_length_exceeded).
         """
-        messages = completion.messages
+        messages, param = completion.messages, "messages" if completion.prompt is None else "prompt"
+        takes = "the messages take" if completion.prompt is None else "the prompt takes"
         if self.config.system and not any(m["role"] == "system" for m in messages):
             messages = [{"role": "system", "content": self.config.system}, *messages]
         try:
-            ids, mask = encode_private_chat(self.tokenizer, messages)
+            if completion.prompt is None:
+                ids, mask = encode_private_chat(self.tokenizer, messages)
+            else:  # /v1/completions: the text as written, no chat template, no system prompt
+                ids, mask = encode_private_text(self.tokenizer, completion.prompt["content"],
+                                                completion.prompt["private_spans"])
         except (ValueError, TypeError) as err:  # TypeError: text the tokenizer refuses
-            raise ApiError(400, str(err), param="messages", code="invalid_value") from None
+            raise ApiError(400, str(err), param=param, code="invalid_value") from None
+        if not ids:
+            raise ApiError(400, "the prompt is empty (no tokens to continue)", param=param, code="invalid_value")
         limit = self.info.max_prompt_tokens
         if limit is not None and len(ids) > limit:  # the service would refuse the open (RESOURCE_EXHAUSTED)
-            raise ApiError(400, f"the verify service takes prompts of up to {limit} tokens; the messages take "
-                                f"{len(ids)}", param="messages", code="context_length_exceeded")
+            raise ApiError(400, f"the verify service takes prompts of up to {limit} tokens; {takes} "
+                                f"{len(ids)}", param=param, code="context_length_exceeded")
         room = self.info.max_context - len(ids)
         wanted = completion.max_tokens or self.config.max_new_tokens
         if room < 1 or (completion.max_tokens is not None and completion.max_tokens > room):
-            raise ApiError(400, f"the target's context holds {self.info.max_context} tokens; the messages take "
-                                f"{len(ids)} and max_tokens asks for {wanted}", param="messages",
+            raise ApiError(400, f"the target's context holds {self.info.max_context} tokens; {takes} "
+                                f"{len(ids)} and max_tokens asks for {wanted}", param=param,
                            code="context_length_exceeded")
         guard = PrivacyGuard(tuple(ids), tuple(mask), placeholder_token(self.tokenizer), self.config.private_ngram,
                              decode=self.tokenizer.decode)
