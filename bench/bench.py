@@ -39,6 +39,7 @@ from splitspec.netsim.schedule import ProfileSwitching, ScheduledSwitches
 from splitspec.netsim.backends import RelayBackend
 from splitspec.server.local import LocalVerifier
 from splitspec.server.runner import TargetRunner
+from splitspec.shared.config import ServerLimits
 from splitspec.shared.drafters.spec import SELF_DRAFTING, DrafterSpec
 from splitspec.shared.models import cpu_model, encode_chat, eos_token_ids, load_model
 from splitspec.shared.records import AnswerRecord
@@ -275,6 +276,7 @@ def cmd_bench(args) -> None:
     try:
         with sigterm_exits():
             model, tokenizer, model_id = load_model(cfg.target)
+            check_prompts_fit(prompts, tokenizer, target_context(model), split=bool(cfg.methods))
             meta = {"target": model_id, "commit": source_commit(), "machine": machine_description(cfg.threads),
                     "seed": cfg.seed, "threads": cfg.threads, "max_new_tokens": cfg.max_new_tokens,
                     "decoding": decoding_text(cfg.sampling)}
@@ -283,6 +285,10 @@ def cmd_bench(args) -> None:
                 records = run_arms(cfg, prompts, arms, model, tokenizer, meta, records)
     except (KeyboardInterrupt, SystemExit):
         keep_interrupted(cfg, records)
+        raise
+    except Exception:  # an answer failed (a refusal, a bug): the error is reported, the answers before it kept
+        if records:
+            keep_interrupted(cfg, records, "stopped by the error below")
         raise
     table = render_markdown(records, meta, cfg)
     print(table)
@@ -369,18 +375,39 @@ def write_results(out: Path, records: list[BenchRecord]) -> None:
     (out / "results.jsonl").write_text("".join(json.dumps(r.to_json()) + "\n" for r in records))
 
 
-def keep_interrupted(cfg: BenchConfig, records: list[BenchRecord]) -> None:
-    """After Ctrl-C or SIGTERM: write the answers finished so far to --out/results.jsonl (no table or
-    plots: the arms would be compared over different prompts) and say so on stderr."""
+def keep_interrupted(cfg: BenchConfig, records: list[BenchRecord], why: str = "interrupted") -> None:
+    """After Ctrl-C, SIGTERM or an error (`why`): write the answers finished so far to
+    --out/results.jsonl (no table or plots: the arms would be compared over different prompts) and
+    say so on stderr."""
     if not records:
-        print("bench: interrupted before the first answer was measured", file=sys.stderr)
+        print(f"bench: {why} before the first answer was measured", file=sys.stderr)
         return
     if not cfg.out:
-        print(f"bench: interrupted after {len(records)} answers (nothing kept: no --out)", file=sys.stderr)
+        print(f"bench: {why} after {len(records)} answers (nothing kept: no --out)", file=sys.stderr)
         return
     write_results(cfg.out, records)
-    print(f"bench: interrupted; the {len(records)} answers finished are in {cfg.out / 'results.jsonl'} "
+    print(f"bench: {why}; the {len(records)} answers finished are in {cfg.out / 'results.jsonl'} "
           "(no table: rerun for one)", file=sys.stderr)
+
+
+def target_context(model) -> int:
+    """The target's context in tokens, as the verify service takes it (server/runner.py `max_positions`)."""
+    return int(getattr(model.config, "max_position_embeddings", 2048))
+
+
+def check_prompts_fit(prompts: list[dict], tokenizer, context: int, split: bool) -> None:
+    """Raises ValueError, before anything is measured, naming the prompts whose chat-rendered tokens
+    leave no room for an answer in the target's `context` or, with `split` arms, are over the verify
+    service's max_prompt_tokens (a run that reached one failed there, QA 58)."""
+    limit = min(context - 1, ServerLimits.max_prompt_tokens if split else context)
+    over = [(p, n) for p in prompts
+            if (n := len(encode_chat(tokenizer, [{"role": "user", "content": p["text"]}]))) > limit]
+    if over:
+        named = ", ".join(f"{p['category']}/{p['id']} ({n} tokens)" for p, n in over[:5])
+        where = f" and a split prompt at most {ServerLimits.max_prompt_tokens}" if split else ""
+        raise ValueError(f"{len(over)} of the {len(prompts)} prompts do not fit (the target's context is {context} "
+                         f"tokens{where}): {named}{', ...' if len(over) > 5 else ''}; leave out their --categories "
+                         "or use a target with a longer context")
 
 
 def run_arms(cfg: BenchConfig, prompts: list[dict], arms: list[Arm], model, tokenizer,

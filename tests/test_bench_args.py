@@ -352,6 +352,8 @@ def test_report_warns_of_a_lossy_answer_by_arm_and_prompt():
 def test_bench_fails_after_writing_a_report_with_a_lossy_answer(tmp_path, monkeypatch, capsys, spec_bench):
     rows = [record("local", "generate()", None), record("local", "ngram", None, exact=False)]
     monkeypatch.setattr(bench_mod, "load_model", lambda target: (None, None, "tiny"))
+    monkeypatch.setattr(bench_mod, "check_prompts_fit", lambda *args, **kw: None)
+    monkeypatch.setattr(bench_mod, "target_context", lambda model: 2048)
     monkeypatch.setattr(bench_mod, "build_arms", lambda *args: [])
     monkeypatch.setattr(bench_mod, "run_arms", lambda *args: rows)
     out = tmp_path / "out"
@@ -364,10 +366,10 @@ def test_bench_fails_after_writing_a_report_with_a_lossy_answer(tmp_path, monkey
 
 
 
-@pytest.mark.parametrize("stop", [KeyboardInterrupt, SystemExit])
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, SystemExit, RuntimeError])
 def test_an_interrupted_bench_keeps_the_answers_it_finished(tmp_path, monkeypatch, capsys, spec_bench, stop):
     """QA 56 tools finding 8: Ctrl-C (or the SIGTERM sigterm_exits turns into SystemExit) after some
-    answers left --out empty, minutes of measurement lost without a word."""
+    answers left --out empty, minutes of measurement lost without a word; QA 58: so did an error."""
     rows = [record("local", "generate()", None), record("local", "ngram", None)]
 
     def interrupted(cfg, prompts, arms, model, tokenizer, meta, records):
@@ -375,6 +377,8 @@ def test_an_interrupted_bench_keeps_the_answers_it_finished(tmp_path, monkeypatc
         raise stop()
 
     monkeypatch.setattr(bench_mod, "load_model", lambda target: (None, None, "tiny"))
+    monkeypatch.setattr(bench_mod, "check_prompts_fit", lambda *args, **kw: None)
+    monkeypatch.setattr(bench_mod, "target_context", lambda model: 2048)
     monkeypatch.setattr(bench_mod, "build_arms", lambda *args: [])
     monkeypatch.setattr(bench_mod, "run_arms", interrupted)
     out = tmp_path / "out"
@@ -382,6 +386,8 @@ def test_an_interrupted_bench_keeps_the_answers_it_finished(tmp_path, monkeypatc
             "writing", "--spec-bench", str(spec_bench), "--out", str(out)]
     if stop is KeyboardInterrupt:
         assert main(argv) == 130
+    elif stop is RuntimeError:
+        assert main(argv) == 2  # the CLI reports the error on one line
     else:
         with pytest.raises(SystemExit):
             main(argv)
@@ -389,7 +395,22 @@ def test_an_interrupted_bench_keeps_the_answers_it_finished(tmp_path, monkeypatc
     assert [r["method"] for r in kept] == ["generate()", "ngram"] and not (out / "table.md").exists()
     err = capsys.readouterr().err
     assert "the 2 answers finished are in" in err
+    assert ("bench: stopped by the error below;" in err) == (stop is RuntimeError)
     assert ("splitspec: interrupted" in err) == (stop is KeyboardInterrupt)  # QA 57: Ctrl-C exited without a word
+
+def test_prompts_that_do_not_fit_are_refused_before_measuring(stories):
+    """QA 58: a run reaching a prompt longer than the target's context died there, after minutes of
+    answers (and, then, kept none of them)."""
+    _, tokenizer, _ = stories
+    prompts = [{"category": "writing", "id": "1", "text": "a short one"},
+               {"category": "rag", "id": "2", "text": "word " * 700}]
+    with pytest.raises(ValueError, match=r"1 of the 2 prompts do not fit \(the target's context is 512 tokens\): "
+                                         r"rag/2 \(\d+ tokens\)"):
+        bench_mod.check_prompts_fit(prompts, tokenizer, 512, split=False)
+    bench_mod.check_prompts_fit(prompts, tokenizer, 8192, split=False)
+    with pytest.raises(ValueError, match="a split prompt at most 4096"):
+        bench_mod.check_prompts_fit([{"category": "rag", "id": "3", "text": "word " * 5000}], tokenizer, 8192, split=True)
+
 
 # --- 8. output paths checked before measuring ---------------------------------------------------------
 
@@ -598,6 +619,8 @@ def test_bench_keeps_an_earlier_run_unless_overwrite(tmp_path, monkeypatch, caps
     partial results.jsonl beside the earlier run's table and plots."""
     rows = [record("local", "generate()", None), record("local", "ngram", None)]
     monkeypatch.setattr(bench_mod, "load_model", lambda target: (None, None, "tiny"))
+    monkeypatch.setattr(bench_mod, "check_prompts_fit", lambda *args, **kw: None)
+    monkeypatch.setattr(bench_mod, "target_context", lambda model: 2048)
     monkeypatch.setattr(bench_mod, "build_arms", lambda *args: [])
     monkeypatch.setattr(bench_mod, "run_arms", lambda *args: rows)
     out = tmp_path / "out"
