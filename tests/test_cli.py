@@ -449,6 +449,7 @@ def test_train_command_defaults_are_the_trainers():
     (["netsim", "run"], ["(default: 600.0)"]),
     (["offline-eval"], ["(default smollm2-135m)"]),  # a help that names its default keeps its own words
     (["serve-bench"], ["(default: 1,4,8,16)"]),  # a list as it is typed (QA 57: "[1, 4, 8, 16]")
+    (["train"], ["(default: 1-4)"]),  # --chunk is typed MIN-MAX (QA 58: shown "1,4", which it refuses)
 ])
 def test_help_names_each_default_once(argv, shown, capsys, monkeypatch):
     """QA 56: --help omitted the defaults of most options (--max-new-tokens, --lsa-placement, ...)."""

@@ -43,7 +43,8 @@ def _add_recipe_args(p: argparse.ArgumentParser) -> None:
                         "0 = the whole batch at once): a large batch in the memory of a small one")
     p.add_argument("--lr", type=at_least(0, strict=True, finite=True), default=1e-3)
     p.add_argument("--chunk", type=_chunk, default=(1, 4),
-                   help="MoA chunk lengths MIN-MAX: drafting distances 0 .. MAX-1 from the last verified token")
+                   help="MoA chunk lengths MIN-MAX: drafting distances 0 .. MAX-1 from the last verified token "
+                        "(default: 1-4)")
     p.add_argument("--staircase", type=at_least(0), default=0.5,
                    help="MoA: SA widens from the current chunk to fully causal over this share of the steps (0 = off)")
     p.add_argument("--no-tli-norm", action="store_true",
