@@ -217,3 +217,106 @@ def test_run_folders_are_resumed_only_into_the_same_run(stories_path, tmp_path):
     assert longer["eagle2"]["step"] == 2 * again["eagle2"]["step"]
     assert (f"- resumed with changed settings: epochs 1 -> 2 at step {again['eagle2']['step']}"
             in (run / "card.md").read_text())
+
+
+def test_qa58_run_folder_states_each_get_a_consistent_answer(stories_path, tmp_path):
+    """QA 58 training findings 2, 5, 6 and 9: --overwrite left the earlier run's best/ (another recipe's
+    weights) in place; a folder with checkpoints but no state was refused by a new run ("--resume
+    continues it") and by --resume ("leave --resume out"); a damaged state gave an error naming no
+    file; a resume whose --max-minutes was spent trained one more step without a word."""
+    run = tmp_path / "run"
+    train(_small(stories_path, run, drafter="eagle2", max_tokens=150), progress=False)
+    assert (run / "best" / "model.safetensors").exists()
+    train(_small(stories_path, run, drafter="eagle2", max_tokens=150, eval_prompts=0, lr=0.01, overwrite=True),
+          progress=False)
+    assert not (run / "best").exists()  # this run measured no tau: no best of its own, and none of the last one's
+    assert "tau not measured (--eval-prompts 0), so no best/ checkpoint is kept" in (run / "card.md").read_text()
+    with pytest.raises(ValueError, match=r"the run has trained 0\.\d+ min, and --max-minutes 0\.0001 counts over all"):
+        train(_small(stories_path, run, drafter="eagle2", max_tokens=150, eval_prompts=0, lr=0.01, resume=True,
+                     max_minutes=0.0001), progress=False)
+    (run / "trainer_state.pt").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match=r"--resume: .*trainer_state.pt cannot be read .*--overwrite starts afresh"):
+        train(_small(stories_path, run, drafter="eagle2", max_tokens=150, eval_prompts=0, lr=0.01, resume=True),
+              progress=False)
+    (run / "trainer_state.pt").unlink()  # as a kill between the first checkpoint and the first state leaves it
+    with pytest.raises(ValueError, match="stopped before it saved its state .* it cannot be resumed; --overwrite"):
+        train(_small(stories_path, run, drafter="eagle2", max_tokens=150), progress=False)
+    with pytest.raises(ValueError, match="holds no saved run"):
+        train(_small(stories_path, run, drafter="eagle2", max_tokens=150, resume=True), progress=False)
+
+
+def test_qa58_cards_reproduce_what_ran(stories_path, tmp_path):
+    """QA 58 training findings 3 and 4: a single MoA's card said `--drafter moa-tli1` (a folder name the
+    parser refuses) and left out --heldout (which decides the training split); a resume with another
+    --micro-batch or --dtype went unrecorded."""
+    from splitspec.train.cli import train_config
+
+    run = tmp_path / "run"
+    out = train(_small(stories_path, run, drafter="moa", tli=1, max_tokens=150), progress=False)["moa-tli1"]
+    card = (run / "card.md").read_text()
+    line = card[card.index("Reproduce: `") + len("Reproduce: `"): card.index(" --out DIR`")]
+    assert "--drafter moa:tli=1 " in line and " --heldout 2" in line
+    argv = line.split()[1:]  # splitspec train ... as a user would type it
+    cfg = train_config(build_parser().parse_args([*argv, "--out", str(tmp_path / "again")]))
+    assert [j.name for j in cfg.jobs()] == ["moa-tli1"] and cfg.heldout == 2
+    train(_small(stories_path, run, drafter="moa", tli=1, max_tokens=150, resume=True, epochs=2, micro_batch=2),
+          progress=False)
+    assert (f"- resumed with changed settings: epochs 1 -> 2 at step {out['step']}; micro_batch 0 -> 2 at step "
+            f"{out['step']}" in (run / "card.md").read_text())
+
+
+def test_qa58_training_flags_that_did_nothing_are_refused(stories_path, tmp_path):
+    """QA 58 training findings 1, 7, 10: --eval-only --device cuda without CUDA gave a traceback; an
+    --init folder that does not exist trained from scratch (rc 0); --tli beside a drafter list, and
+    --time-schedule without --max-minutes, were ignored."""
+    import torch
+
+    with pytest.raises(ValueError, match="--init .*nowhere: no such folder"):
+        train(_small(stories_path, tmp_path / "a", drafter="eagle2", max_tokens=150, init=str(tmp_path / "nowhere")),
+              progress=False)
+    with pytest.raises(ValueError, match="--tli is for a single plain `moa`"):
+        TrainConfig(drafter="moa,eagle2", target="x", out=tmp_path, tli=1).jobs()
+    with pytest.raises(ValueError, match="--tli is for a single plain `moa`"):
+        TrainConfig(drafter="moa:tli=2", target="x", out=tmp_path, tli=1).jobs()
+    with pytest.raises(ValueError, match="--time-schedule follows --max-minutes"):
+        TrainConfig(drafter="moa", target="x", out=tmp_path, time_schedule=True)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="--device cuda: this torch has no CUDA"):
+            train(_small(stories_path, tmp_path / "b", drafter="eagle2", eval_only=True, device="cuda",
+                         init=str(tmp_path)), progress=False)
+
+
+def test_saved_tensors_are_as_readable_as_the_umask_allows(tmp_path):
+    """QA 58 training finding 8: safetensors 0.8 writes its files 0600, so another user could not
+    load a trained checkpoint (every other file of the run was 0644)."""
+    import os
+
+    import torch
+
+    from splitspec.shared.drafters.checkpoint import _umask, save_tensors
+
+    save_tensors({"w": torch.zeros(2)}, tmp_path / "model.safetensors", {"kind": "test"})
+    assert os.stat(tmp_path / "model.safetensors").st_mode & 0o777 == 0o666 & ~_umask()
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_damaged_examples_cache_is_built_again(tmp_path, monkeypatch, caplog):
+    """QA 58 training finding 6: a truncated examples.pt (only a cache) stopped every run, --overwrite
+    included, with "[Errno 22] Invalid argument"."""
+    from splitspec.train import trainer
+
+    built = []
+    monkeypatch.setattr(trainer, "load_examples", lambda cfg, tok: built.append(1) or ([], [[{"x": 1}]]))
+    monkeypatch.setattr(trainer, "_data_files_state", lambda data: [])
+
+    class Tok:
+        name_or_path = "t"
+
+        def __len__(self):
+            return 10
+
+    cfg = TrainConfig(drafter="eagle2", target="x", out=tmp_path, overwrite=True)
+    (tmp_path / trainer.EXAMPLES).write_bytes(b"PK\x03\x04 truncated")
+    assert trainer.cached_examples(cfg, Tok()) == ([], [[{"x": 1}]]) and built == [1]
+    assert "cannot be read" in caplog.text
+    assert trainer.cached_examples(cfg, Tok()) == ([], [[{"x": 1}]]) and built == [1]  # the rebuilt cache serves

@@ -364,9 +364,13 @@ def test_eval_only_measures_the_init_checkpoints_and_writes_nothing(stories_path
 
     evaluated = []
     monkeypatch.setattr(trainer, "evaluate", lambda *a, **k: evaluated.append(1) or {})
+    (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no checkpoint to compare with"):  # before any evaluation is spent
         train(_small(stories_path, tmp_path / "x", init=str(tmp_path / "run"), eval_only=True,
                      against=str(tmp_path / "empty")), progress=False)
+    with pytest.raises(ValueError, match="--against .*nowhere: no such folder"):
+        train(_small(stories_path, tmp_path / "x", init=str(tmp_path / "run"), eval_only=True,
+                     against=str(tmp_path / "nowhere")), progress=False)
     assert not evaluated
     with pytest.raises(ValueError, match="needs eval_only"):
         _small(stories_path, tmp_path / "x", against=str(tmp_path / "run"))

@@ -97,7 +97,8 @@ def _add_train_parser(sub) -> None:
     p.add_argument("--epochs", type=POSITIVE, default=1)
     p.add_argument("--eval-every", type=int, default=50, help="optimizer steps between held-out evaluations (0 = only when the run stops)")
     p.add_argument("--max-minutes", type=at_least(0), default=0.0,
-                   help="stop cleanly after this many minutes of training (0 = no limit); time paused with "
+                   help="stop cleanly after this many minutes of training (0 = no limit), counted over all of a "
+                        "run's sessions (a --resume continues the same budget); time paused with "
                         "SIGTSTP (kill -TSTP, Ctrl-Z) does not count; a first SIGINT or SIGTERM (Ctrl-C, kill PID) also "
                         "stops cleanly after the current step (a second one is not caught)")
     p.add_argument("--time-schedule", action="store_true",

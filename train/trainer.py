@@ -188,6 +188,8 @@ class TrainConfig:
             raise ValueError(f"staircase (a share of the steps) must lie in [0, 1], got {self.staircase}")
         if not self.max_minutes >= 0:
             raise ValueError(f"max_minutes must be >= 0 (0 = no limit), got {self.max_minutes}")
+        if self.time_schedule and not self.max_minutes:  # it did nothing (QA 58)
+            raise ValueError("--time-schedule follows --max-minutes: give that too")
         if self.train_vocab < -1:
             raise ValueError(f"train_vocab must be >= 0 (0 = all), or -1 for the default, got {self.train_vocab}")
         if self.dtype not in ("bfloat16", "float32"):
@@ -204,6 +206,9 @@ class TrainConfig:
             jobs = [DrafterJob("moa", self.tli)]
         if self.tli and jobs[0].kind != "moa" and len(jobs) == 1:
             raise ValueError(f"{jobs[0].kind} has no TLI")
+        if self.tli and (len(jobs) > 1 or jobs[0] != DrafterJob("moa", self.tli)):  # it was ignored (QA 58)
+            raise ValueError(f"--tli is for a single plain `moa`; write each drafter's as moa:tli=N in --drafter "
+                             f"(got --drafter {self.drafter})")
         if not jobs or len({j.name for j in jobs}) != len(jobs):
             raise ValueError(f"need distinct drafters, got {self.drafter!r}")
         return jobs
@@ -272,13 +277,17 @@ def cached_examples(cfg: TrainConfig, tokenizer) -> tuple[list[Example], list[li
            "vocab_size": len(tokenizer)}
     files = _data_files_state(cfg.data)
     path = cfg.out / EXAMPLES
+    saved = None
     if path.exists():
-        saved = torch.load(path, weights_only=False)
-        if saved.get("key") == key and (cfg.resume or saved.get("files") == files):
-            if saved.get("files") not in (None, files):  # None: a cache from before files were recorded
-                log.warning("the data files changed since this run began; the resumed run keeps its own examples")
-            log.info("examples from %s", path)
-            return [Example(*e) for e in saved["examples"]], saved["held"]
+        try:
+            saved = torch.load(path, weights_only=False)
+        except Exception as err:  # a cache: a damaged one is built again
+            log.warning("%s cannot be read (%s): the examples are built again", path, type(err).__name__)
+    if saved is not None and saved.get("key") == key and (cfg.resume or saved.get("files") == files):
+        if saved.get("files") not in (None, files):  # None: a cache from before files were recorded
+            log.warning("the data files changed since this run began; the resumed run keeps its own examples")
+        log.info("examples from %s", path)
+        return [Example(*e) for e in saved["examples"]], saved["held"]
     examples, held = load_examples(cfg, tokenizer)
     cfg.out.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -530,10 +539,11 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
     """
     from tqdm import tqdm
 
-    from splitspec.shared.models import load_model
+    from splitspec.shared.models import check_device, load_model
 
     if cfg.eval_only and not cfg.heldout:
         raise ValueError("--eval-only measures the held-out split: --heldout must be >= 1")
+    check_device(cfg.device)  # --eval-only loads no training target, whose loading checks it too
     saved = None if cfg.eval_only else _saved_run(cfg)
     _preload()
     torch.manual_seed(cfg.seed)
@@ -567,6 +577,8 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
     if cfg.eval_only:
         bases = {}  # the checkpoints to compare with, found before minutes of evaluation are spent
         if cfg.against:
+            if not set("=,") & set(cfg.against) and not Path(cfg.against).is_dir():  # else "--init" would be named
+                raise ValueError(f"--against {cfg.against}: no such folder")
             base_cfg = replace(cfg, init=cfg.against)
             for t in trainees:
                 bases[t.job.name] = _init_drafter(base_cfg, t.job, eval_model.config, identity)
@@ -590,6 +602,8 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict[str, dict]:
     total_steps = steps_per_epoch * cfg.epochs
     state = {"step": 0, "tokens": 0, "elapsed_s": 0.0, "train_vocab": 0 if vocab is None else len(vocab)}
     cfg.out.mkdir(parents=True, exist_ok=True)
+    if saved is None and cfg.overwrite:
+        _clear_earlier_run(cfg)
     if saved is not None:
         state = saved["state"]
         for t in trainees:
@@ -714,6 +728,8 @@ def initialise(cfg: TrainConfig, job: DrafterJob, drafter: torch.nn.Module,
             raise ValueError(f"--init {job.name}={path}: no drafter.json there")
     elif roots:
         root = roots[0]
+        if not root.is_dir():  # a typo would turn a fine-tune into a from-scratch run (QA 58)
+            raise ValueError(f"--init {root}: no such folder")
         path = root / job.name if (root / job.name / "drafter.json").exists() else root
         if not (path / "drafter.json").exists() or (path == root and len(cfg.jobs()) > 1):
             log.warning("no checkpoint for %s under %s: it starts from scratch", job.name, root)
@@ -964,7 +980,7 @@ def model_card(cfg: TrainConfig, t: Trainee, identity: TargetIdentity, state: di
                  f"; CSGD (glancing ratio {FALCON_GLANCE})" if job.kind == "falcon" else "")
     gain = f", memory gain {record['memory_gain']:+.3f}" if "memory_gain" in record else ""
     hardware = _hardware(cfg)
-    drafters = cfg.drafter if len(cfg.jobs()) > 1 else job.name
+    drafters = cfg.drafter if len(cfg.jobs()) > 1 else job.spec  # job.name (moa-tli1) is a folder's, not a --drafter
     return "\n".join([
         f"# {name} drafter for {identity.model_id}", "",
         f"- trainable parameters: {params / 1e6:.2f} M (stored in bf16); the target's embedding, LM head, "
@@ -1000,6 +1016,7 @@ def model_card(cfg: TrainConfig, t: Trainee, identity: TargetIdentity, state: di
         f"{f' --kl-weight {cfg.kl_weight:g}' if cfg.kl_weight != KL_WEIGHT else ''}"
         f" --train-vocab {cfg.train_vocab} --dtype {cfg.dtype} "
         f"--seed {cfg.seed}" + (f" --split-seed {cfg.split_seed}" if cfg.split_seed else "")
+        + (f" --heldout {cfg.heldout}" if cfg.heldout != TrainConfig.heldout else "")  # it decides the training split
         + (f" --init {cfg.init}" if cfg.init else "")
         + (f" --skip-tokens {cfg.skip_tokens}" if cfg.skip_tokens else "")
         + (f" --device {cfg.device}" if cfg.device != "cpu" else "")
@@ -1016,6 +1033,10 @@ def _heldout_text(cfg: TrainConfig, record: dict, gain: str, state: dict) -> str
     cover = (f"{held} conversations" if scored == held else
              f"{held} conversations, loss and top-1 over the {scored} with an assistant turn within "
              f"{HELDOUT_MAX_LEN} tokens")
+    if not record.get("tau_prompts", cfg.eval_prompts):
+        return (f"- held-out ({cover}, split seed {cfg.split_seed}): loss {record['heldout_loss']:.4f}, top-1 agreement "
+                f"{record['heldout_top1']:.3f}{gain}; tau not measured (--eval-prompts 0), so no best/ checkpoint "
+                "is kept")
     return (f"- held-out ({cover}, split seed {cfg.split_seed}): loss {record['heldout_loss']:.4f}, top-1 agreement "
             f"{record['heldout_top1']:.3f}{gain}; greedy single-device accept length tau {record['tau']:.2f}"
             f"{_interval_text(record)} (EAGLE-2 tree depth {EVAL_TREE.depth}, top-{EVAL_TREE.top_b}, "
@@ -1054,14 +1075,16 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 # what a resumed run must share with the saved one to continue it exactly (the data, its order and
-# budget, the schedule, the losses); device, dtype, compile, micro_batch, max_minutes and the
-# evaluation settings may change (another machine, another time budget)
+# budget, the schedule, the losses); device, dtype, compile, micro_batch (noted below), max_minutes
+# and the evaluation settings may change (another machine, another time budget)
 RESUME_KEYS = ("target", "data", "max_tokens", "skip_tokens", "max_len", "batch", "lr", "warmup_steps",
                "seed", "split_seed", "heldout", "chunk_min", "chunk_max", "staircase", "tli_norm", "kl_weight",
                "train_vocab", "init", "time_schedule")
 # what a resumed run may change, with a warning and a line in its cards: more epochs extend a run
 # (the lr schedule's length changes from the resumed step on)
-RESUME_NOTED = ("epochs",)
+# and the settings that change how, not what, is computed (bf16 and fp32 runs differ by ~1e-3 in loss):
+# the card says the run went on with other ones
+RESUME_NOTED = ("epochs", "dtype", "micro_batch", "device", "compile")
 
 
 def _recipe(cfg: TrainConfig) -> dict:
@@ -1081,15 +1104,28 @@ def _saved_run(cfg: TrainConfig) -> dict | None:
     """
     path = cfg.out / STATE
     if not cfg.resume:
-        if not cfg.overwrite and (path.exists() or any((cfg.out_dir(j) / "drafter.json").exists()
-                                                       for j in cfg.jobs())):
+        if cfg.overwrite:
+            return None
+        if path.exists():
             raise ValueError(f"{cfg.out} holds a training run: --resume continues it, --overwrite starts afresh "
                              f"over its checkpoints, or give another --out")
+        if any((cfg.out_dir(j) / "drafter.json").exists() for j in cfg.jobs()):
+            raise ValueError(f"{cfg.out} holds checkpoints of a run stopped before it saved its state ({STATE}, "
+                             "written after each evaluation's checkpoints): it cannot be resumed; --overwrite starts "
+                             "afresh over them, or give another --out")
         return None
     if not path.exists():
         raise ValueError(f"--resume: {cfg.out} holds no saved run ({STATE}; it is written at each evaluation): "
                          f"nothing to continue, leave --resume out to start one")
-    saved = torch.load(path, weights_only=False)
+    try:
+        saved = torch.load(path, weights_only=False)
+    except Exception as err:  # truncated or overwritten: torch and pickle raise what the bytes make them
+        raise ValueError(f"--resume: {path} cannot be read ({type(err).__name__}: {str(err).splitlines()[0][:120]}): "
+                         "the run cannot be continued; --overwrite starts afresh") from None
+    spent = saved.get("state", {}).get("elapsed_s", 0.0)
+    if cfg.max_minutes and spent >= 60 * cfg.max_minutes:
+        raise ValueError(f"--resume: the run has trained {spent / 60:.2f} min, and --max-minutes "
+                         f"{cfg.max_minutes:g} counts over all its sessions: give a larger one to continue")
     names = [j.name for j in cfg.jobs()]
     if sorted(saved["trainees"]) != sorted(names):
         raise ValueError(f"--resume: {cfg.out} holds a run of {', '.join(saved['trainees'])}, not of "
@@ -1108,6 +1144,19 @@ def _saved_run(cfg: TrainConfig) -> dict | None:
         log.warning("resuming %s with changed settings: %s", cfg.out, "; ".join(noted))
         saved["state"]["resumed_changes"] = saved["state"].get("resumed_changes", []) + noted
     return saved
+
+
+def _clear_earlier_run(cfg: TrainConfig) -> None:
+    """--overwrite: remove what an earlier run in `cfg.out` left of this run's drafters (checkpoint,
+    card, history, best/) and its state, before the first step. Its best/ outlived it otherwise, a
+    checkpoint of another recipe, until this run's first tau beat it (QA 58); a state left behind
+    would let --resume continue the earlier run under this one's checkpoints."""
+    (cfg.out / STATE).unlink(missing_ok=True)
+    for job in cfg.jobs():
+        folder = cfg.out_dir(job)
+        shutil.rmtree(folder / BEST, ignore_errors=True)
+        for name in ("model.safetensors", "drafter.json", "card.md", "history.jsonl"):
+            (folder / name).unlink(missing_ok=True)
 
 
 def _save_state(cfg: TrainConfig, state: dict, trainees: list[Trainee]) -> None:

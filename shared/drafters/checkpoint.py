@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,11 +57,37 @@ def save_checkpoint(out: Path, kind: str, drafter: torch.nn.Module, target: Targ
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()
                if not k.endswith("inv_freq")}
-    save_file(tensors, str(out / (WEIGHTS + ".tmp")), metadata={"kind": kind})
-    (out / (WEIGHTS + ".tmp")).replace(out / WEIGHTS)
+    save_tensors(tensors, out / WEIGHTS, {"kind": kind})
     config = {"kind": kind, "config": drafter.config.to_dict(), "target": target.__dict__, "training": info}
     (out / (CONFIG + ".tmp")).write_text(json.dumps(config, indent=2))
     (out / (CONFIG + ".tmp")).replace(out / CONFIG)
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """Write `tensors` to the safetensors file `path` atomically (a temp file renamed, removed again
+    when the write fails), as readable as the umask allows: safetensors 0.8 makes its files 0600, so
+    a server or client running as another user could not load a trained checkpoint (QA 58)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        os.chmod(tmp, 0o666 & ~_umask())
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it where Linux reports it (os.umask can only be
+    read by setting it, which races with files other threads create meanwhile)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def checkpoint_id(path: str | Path) -> str:

@@ -19,7 +19,8 @@ from typing import Iterable
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+
+from .checkpoint import save_tensors
 
 COUNTS = "token_counts.safetensors"
 
@@ -65,13 +66,8 @@ def save_counts(path: str | Path, counts: torch.Tensor, fingerprint: str, source
     path = Path(path)
     check_counts_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        save_file({"counts": counts.to(torch.int64).contiguous()}, str(tmp),
-                  metadata={"tokenizer_fingerprint": fingerprint, "source": source, "tokens": str(int(counts.sum()))})
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    save_tensors({"counts": counts.to(torch.int64).contiguous()}, path,
+                 {"tokenizer_fingerprint": fingerprint, "source": source, "tokens": str(int(counts.sum()))})
 
 
 def load_draft_vocab(path: str | Path, size: int, fingerprint: str) -> torch.Tensor:
