@@ -13,6 +13,7 @@ next prompt marks the same spans private.
 from __future__ import annotations
 
 import sqlite3
+import threading
 import time
 from pathlib import Path
 
@@ -37,6 +38,11 @@ def default_path() -> Path:
 class ChatHistory:
     """The chat history in one SQLite file (conversations, messages, each answer's token rows).
 
+    Thread-safe: the daemon's answer worker and its HTTP threads share one connection, whose
+    transaction and `lastrowid` are not per thread, so every use holds `lock` (without it, QA 58 saw
+    two clients given one new conversation's id, and answers fail with "cannot commit - no
+    transaction is active").
+
     Raises:
         ValueError: `path` cannot be opened as a history (a folder, a file that is not SQLite, a
             folder that cannot be made), named.
@@ -45,6 +51,7 @@ class ChatHistory:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self.lock = threading.RLock()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.db = sqlite3.connect(self.path, check_same_thread=False)  # writes: one `with self.db` each
@@ -56,58 +63,62 @@ class ChatHistory:
             raise ValueError(f"chat history {self.path}: {what}") from None
 
     def close(self) -> None:
-        self.db.close()
+        with self.lock:
+            self.db.close()
 
     def new_conversation(self, target: str, drafter: str) -> int:
-        with self.db:
+        with self.lock, self.db:
             return self.db.execute("INSERT INTO conversations (created, target, drafter) VALUES (?, ?, ?)",
                                    (time.time(), target, drafter)).lastrowid
 
     def conversations(self, limit: int = 200) -> list[dict]:
         """The newest `limit` conversations: id, created (Unix s), target, drafter, title (the first
         user message, shortened) and message count."""
-        rows = self.db.execute(
+        rows = self._all(
             "SELECT c.id, c.created, c.target, c.drafter, count(m.id), "
             "(SELECT content FROM messages WHERE conversation = c.id AND role = 'user' ORDER BY id LIMIT 1) "
             "FROM conversations c LEFT JOIN messages m ON m.conversation = c.id GROUP BY c.id ORDER BY c.id DESC "
-            "LIMIT ?", (limit,)).fetchall()
+            "LIMIT ?", (limit,))
         return [{"id": i, "created": created, "target": target, "drafter": drafter, "messages": count,
                  "title": _title(title or "")} for i, created, target, drafter, count, title in rows]
 
     def has_conversation(self, conversation: int) -> bool:
         if not -2**63 <= conversation < 2**63:  # beyond SQLite's INTEGER (it would raise OverflowError)
             return False
-        return self.db.execute("SELECT 1 FROM conversations WHERE id = ?", (conversation,)).fetchone() is not None
+        return bool(self._all("SELECT 1 FROM conversations WHERE id = ?", (conversation,)))
 
     def last_conversation(self) -> int | None:
         """The newest conversation that holds a message (`chat --resume`), or None: one opened and
         left empty (a chat quit before its first line, a chat page's "new") is not resumed."""
-        row = self.db.execute("SELECT max(conversation) FROM messages").fetchone()
-        return row[0]
+        return self._all("SELECT max(conversation) FROM messages")[0][0]
 
     def add_message(self, conversation: int, role: str, content: str, complete: bool = True) -> int:
-        with self.db:
+        with self.lock, self.db:
             return self.db.execute(
                 "INSERT INTO messages (conversation, role, content, complete, created) VALUES (?, ?, ?, ?, ?)",
                 (conversation, role, content, int(complete), time.time())).lastrowid
 
     def messages(self, conversation: int) -> list[dict]:
-        rows = self.db.execute("SELECT id, role, content, complete FROM messages WHERE conversation = ? ORDER BY id",
-                               (conversation,)).fetchall()
+        rows = self._all("SELECT id, role, content, complete FROM messages WHERE conversation = ? ORDER BY id",
+                         (conversation,))
         return [{"id": i, "role": r, "content": c, "complete": bool(done)} for i, r, c, done in rows]
 
     def answer_writer(self, message: int) -> "AnswerWriter":
         return AnswerWriter(self, message)
 
     def tokens(self, message: int) -> list[tuple[int, str]]:
-        return self.db.execute("SELECT token, source FROM tokens WHERE message = ? ORDER BY position",
-                               (message,)).fetchall()
+        return self._all("SELECT token, source FROM tokens WHERE message = ? ORDER BY position", (message,))
 
     def finish(self, message: int, content: str, complete: bool = True) -> None:
         """Store an answer's text; `complete` False: it was cut short (cancelled, failed)."""
-        with self.db:
+        with self.lock, self.db:
             self.db.execute("UPDATE messages SET content = ?, complete = ? WHERE id = ?",
                             (content, int(complete), message))
+
+    def _all(self, sql: str, params: tuple = ()) -> list[tuple]:
+        """The rows of one query, read under the lock."""
+        with self.lock:
+            return self.db.execute(sql, params).fetchall()
 
     def recover(self, message: int, tokenizer) -> str:
         """The text of an interrupted answer from its committed token rows, with `<private>` tags
@@ -120,10 +131,10 @@ class AnswerWriter:
     """A StreamEvent consumer that mirrors the answer into the `tokens` table."""
 
     def __init__(self, history: ChatHistory, message: int) -> None:
-        self.db, self.message = history.db, message
+        self.db, self.lock, self.message = history.db, history.lock, message
 
     def __call__(self, event) -> None:
-        with self.db:  # one transaction per event
+        with self.lock, self.db:  # one transaction per event
             if event.kind == "tokens":
                 self.db.executemany("INSERT INTO tokens (message, position, token, source) VALUES (?, ?, ?, ?)",
                                     [(self.message, event.start + i, t, event.source) for i, t in enumerate(event.tokens)])

@@ -1058,3 +1058,39 @@ def test_held_back_private_text_keeps_its_source():
     out += held.feed(StreamEvent(EventKind.VERIFIED, 0, count=2))
     out += held.finish()
     assert [(d.content, d.source) for d in out if not d.event] == [("x", "offline"), ("a", "target")]
+
+
+def test_the_chat_history_takes_writers_on_several_threads(tmp_path):
+    """QA 58 ops finding 2: the daemon's answer worker and its HTTP threads shared one SQLite
+    connection unguarded, whose transaction and lastrowid are not per thread: two clients were given
+    one conversation id, and answers failed with "cannot commit - no transaction is active"."""
+    from splitspec.client.answer import EventKind, StreamEvent
+
+    history = ChatHistory(tmp_path / "chat.sqlite3")
+    conversation = history.new_conversation("t", "d")
+    answer = history.add_message(conversation, "assistant", "", complete=False)
+    writer = history.answer_writer(answer)
+    ids, errors = [], []
+
+    def create() -> None:
+        try:
+            for _ in range(150):
+                ids.append(history.new_conversation("t", "d"))
+                history.conversations(limit=5)
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    def write() -> None:
+        try:
+            for k in range(300):
+                writer(StreamEvent(EventKind.TOKENS, k, (k,)))
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=create) for _ in range(3)] + [threading.Thread(target=write)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors and len(ids) == len(set(ids)) == 450
+    assert [t for t, _ in history.tokens(answer)] == list(range(300))
