@@ -35,6 +35,10 @@ from splitspec.shared.verifier import (CANCEL_POLL_S, BadReply, CallStats, LinkD
 log = logging.getLogger(__name__)
 
 
+RECONNECT_BACKOFF_INITIAL_S = 0.5  # gRPC's reconnect backoff after a lost connection (its defaults: 1 s .. 120 s)
+RECONNECT_BACKOFF_MAX_S = 2.0
+
+
 def channel_options(keepalive_time_s: float = CLIENT_KEEPALIVE_TIME_S, keepalive_timeout_s: float = 20.0,
                     max_receive_bytes: int = 64 * 2**20, max_send_bytes: int = 4 * 2**20) -> list[tuple[str, int]]:
     """gRPC channel arguments of the client.
@@ -48,6 +52,12 @@ def channel_options(keepalive_time_s: float = CLIENT_KEEPALIVE_TIME_S, keepalive
     so it is set to `keepalive_timeout_s`. A ping's acknowledgement queues behind the reply bytes
     already in flight, so `keepalive_timeout_s` must exceed the longest a reply can take on the
     slowest link (bytes / rate: 20 s carries 12 MB at 5 Mbit/s).
+
+    gRPC reconnects a lost connection after a backoff that grows 1.6x per attempt up to 120 s, and
+    while it waits every call (the reconnect probe's included) fails at once: a service back after a
+    25 s restart was seen 10-30 s late, so answers ran out their offline wait and the daemon answered
+    503 for half a minute with the service up (QA 58). The backoff is capped at RECONNECT_BACKOFF_MAX_S,
+    below the probe's own cap (client/reconnect.py OfflinePolicy.backoff_max_s).
     """
     ms = lambda s: max(1, round(s * 1e3))  # noqa: E731
     return [
@@ -58,6 +68,8 @@ def channel_options(keepalive_time_s: float = CLIENT_KEEPALIVE_TIME_S, keepalive
         ("grpc.http2.ping_timeout_ms", ms(keepalive_timeout_s)),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.initial_reconnect_backoff_ms", ms(RECONNECT_BACKOFF_INITIAL_S)),
+        ("grpc.max_reconnect_backoff_ms", ms(RECONNECT_BACKOFF_MAX_S)),
     ]
 
 
