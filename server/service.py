@@ -52,7 +52,7 @@ from splitspec.v1 import verify_pb2 as pb
 from splitspec.v1 import verify_pb2_grpc as pb_grpc
 
 from .auth import BearerAuthInterceptor, TokenSet, client_identity, server_credentials
-from .limits import BUSY_RETRY_S, KVBudget, RateLimiter, Reservation, kv_bytes_per_token, reply_feature_bytes
+from .limits import BUSY_RETRY_S, HEALTH_CALLS, CallLimits, KVBudget, RateLimiter, Reservation, kv_bytes_per_token, reply_feature_bytes
 from .metrics import ServiceMetrics
 from .runner import TargetRunner, TargetSession
 from .validation import (ServiceError, check_context, check_draft_probs, check_forced, check_open, check_tree,
@@ -836,8 +836,9 @@ async def create_server(runner: TargetRunner, address: str = "127.0.0.1:0",
     if security.tokens:
         interceptors.append(BearerAuthInterceptor(TokenSet(security.tokens),
                                                   on_refusal=lambda method: metrics.refused(method, "UNAUTHENTICATED")))
+    interceptors.append(CallLimits(limits.call_limit))  # after auth: a refused token takes no slot
     server = grpc.aio.server(options=server_options(limits), interceptors=interceptors,
-                             maximum_concurrent_rpcs=limits.call_limit)
+                             maximum_concurrent_rpcs=limits.call_limit + HEALTH_CALLS)
     servicer = VerifyServicer(runner, limits, metrics=metrics, authenticated=bool(security.tokens), worker=worker)
     servicer.auth = interceptors[0] if interceptors else None  # its TokenSet is swapped on SIGHUP (`serve`)
     server.add_generic_rpc_handlers((service_handlers(servicer),))
