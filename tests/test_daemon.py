@@ -6,6 +6,7 @@ mid-stream cancels its answer and the daemon serves on."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
 import subprocess
@@ -323,10 +324,15 @@ def test_a_private_message_stays_private_whatever_tags_it_holds(runner, role, ex
      400, "messages.0.splitspec.private_span", "invalid_value"),
     ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "splitspec": {"conversaton": 1}}, 400,
      "splitspec.conversaton", "invalid_value"),
+    # strict like max_tokens: `true` wrote into conversation 1 (QA 58)
+    ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "splitspec": {"conversation": True}}, 400,
+     "splitspec.conversation", "invalid_value"),
+    ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "splitspec": {"conversation": "3"}}, 400,
+     "splitspec.conversation", "invalid_value"),
     ({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404, "model", "model_not_found"),
     ({"model": "M", "messages": [{"role": "user", "content": "hi " * 2000}]}, 400, "messages",
      "context_length_exceeded"),
-    ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}, 400, "messages",
+    ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}, 400, "max_tokens",
      "context_length_exceeded"),
     ({"model": "M", "messages": [{"role": "user", "content": "x" * 70000}]}, 413, None, "request_too_large"),
     # a union type's error names the field, not pydantic's branch (`content.str`, `stop.str`)
@@ -1094,3 +1100,20 @@ def test_the_chat_history_takes_writers_on_several_threads(tmp_path):
         thread.join(timeout=120)
     assert not errors and len(ids) == len(set(ids)) == 450
     assert [t for t, _ in history.tokens(answer)] == list(range(300))
+
+
+def test_a_client_leaving_while_it_sends_its_body_is_no_error(runner, start, caplog):
+    """QA 58 ops finding 4: each client that closed its connection part way through its request body
+    put an ERROR and a 48-line traceback in the daemon's log, as a bug would (500 such: 24,000 lines)."""
+    import socket
+
+    server = start(_local_setup(runner))
+    host, port = server.url.removeprefix("http://").split(":")
+    for _ in range(3):
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{\"model\":")
+            time.sleep(0.2)
+    time.sleep(0.3)
+    assert _post(server, _request(runner.model_id, max_tokens=2)).status_code == 200
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text

@@ -25,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from .cli import loopback_host
 from .engine import Engine, Failed, Finished, server_error
@@ -82,6 +83,9 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
                 return _error_response(err)
         try:
             return await call_next(request)
+        except ClientDisconnect:  # it left while sending its body (a phone, a flaky link): no bug, nobody to answer
+            log.info("%s %s: the client left while sending its request", request.method, request.url.path)
+            return Response(status_code=499)
         except Exception as err:  # a bug: an OpenAI error object, and the keep-alive connection stays usable
             log.exception("%s %s failed", request.method, request.url.path)
             return _error_response(server_error(err))

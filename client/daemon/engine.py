@@ -173,7 +173,7 @@ class Engine:
         wanted = completion.max_tokens or self.config.max_new_tokens
         if room < 1 or (completion.max_tokens is not None and completion.max_tokens > room):
             raise ApiError(400, f"the target's context holds {self.info.max_context} tokens; {takes} "
-                                f"{len(ids)} and max_tokens asks for {wanted}", param=param,
+                                f"{len(ids)} and max_tokens asks for {wanted}", param=param if room < 1 else "max_tokens",
                            code="context_length_exceeded")
         guard = PrivacyGuard(tuple(ids), tuple(mask), placeholder_token(self.tokenizer), self.config.private_ngram,
                              decode=self.tokenizer.decode)

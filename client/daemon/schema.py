@@ -87,7 +87,7 @@ class RequestExtension(_Closed):
     """A request's `splitspec` field: the chat-history conversation the exchange is written to
     (the last user message and the answer, as tokens commit)."""
 
-    conversation: int | None = Field(None, ge=1)
+    conversation: StrictInt | None = Field(None, ge=1)  # strict: `true` wrote into conversation 1 (QA 58)
 
 
 class ChatRequest(_Open):
