@@ -614,20 +614,24 @@ def encode_private_chat(tokenizer, messages: list[dict]) -> tuple[list[int], lis
     return encode_private_text(tokenizer, rendered, char_spans)
 
 
-def encode_private_text(tokenizer, text: str, char_spans: Sequence[tuple[int, int]]) -> tuple[list[int], list[bool]]:
-    """(prompt ids [P], private mask [P]) of `text` taken as written (shared/models.py
-    `encode_rendered`: special tokens in it are kept, BOS added), a token private when it overlaps
-    a character span [start, end) of `char_spans`: a rendered chat, or a raw completion prompt.
+def encode_private_text(tokenizer, text: str, char_spans: Sequence[tuple[int, int]], rendered: bool = True
+                        ) -> tuple[list[int], list[bool]]:
+    """(prompt ids [P], private mask [P]) of `text`, a token private when it overlaps a character
+    span [start, end) of `char_spans` (indices of the str: Unicode code points). `rendered`: a
+    chat the template rendered (shared/models.py `encode_rendered`: special tokens kept, BOS added
+    where the text lacks it); else a raw completion prompt, encoded as the tokenizer does by itself
+    (its own special tokens, such as a BOS its config asks for; SmolLM2's names <|im_start|> its BOS
+    but adds none, and a raw prompt given one read as a chat turn, QA 58).
 
     Raises:
         ValueError: the tokenizer has no offset mapping or tokenizes `text` inconsistently while
             spans are given.
     """
-    full = encode_rendered(tokenizer, text)
+    full = encode_rendered(tokenizer, text) if rendered else tokenizer(text, add_special_tokens=True)["input_ids"]
     if not char_spans:
         return full, [False] * len(full)
     try:
-        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        enc = tokenizer(text, add_special_tokens=not rendered, return_offsets_mapping=True)
     except NotImplementedError:  # a slow tokenizer: no offsets, so no token can be told private
         raise ValueError("this tokenizer gives no character offsets; cannot place private spans") from None
     ids = list(enc["input_ids"])

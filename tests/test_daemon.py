@@ -159,20 +159,23 @@ def _complete_text(server: DaemonServer, body: dict) -> httpx.Response:
 def test_text_completions_continue_the_raw_prompt_as_the_target_would(runner, start):
     """POST /v1/completions (OpenAI's legacy API, which code-completion tools speak): the prompt is
     continued as written, no chat template, and greedy output is the target's own."""
-    from splitspec.shared.models import encode_rendered
-
     server, tokenizer = start(_local_setup(runner)), runner.tokenizer
-    prompt = encode_rendered(tokenizer, PROMPT)
+    text = "Once upon a"  # continued " time": its first token holds a leading space
+    prompt = tokenizer(text)["input_ids"]  # as the tokenizer encodes by itself: stories260K adds BOS
     ref = reference_greedy(runner.model, prompt, N_NEW)
     ref = ref[: ref.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in ref else ref
-    want = tokenizer.decode(ref, skip_special_tokens=True)
+    # the answer's text as the prompt's continuation: a SentencePiece tokenizer decoding the answer
+    # alone drops its first token's leading space (QA 58)
+    before = tokenizer.decode(prompt, skip_special_tokens=True)
+    want = tokenizer.decode(prompt + ref, skip_special_tokens=True)[len(before):]
+    assert want.startswith(" time")
     client = _client(server)
-    reply = client.completions.create(model=runner.model_id, prompt=PROMPT, max_tokens=N_NEW, temperature=0)
+    reply = client.completions.create(model=runner.model_id, prompt=text, max_tokens=N_NEW, temperature=0)
     assert reply.object == "text_completion" and reply.id.startswith("cmpl-")
     assert reply.choices[0].text == want and reply.choices[0].finish_reason in ("stop", "length")
     assert reply.usage.prompt_tokens == len(prompt) and reply.usage.completion_tokens == len(ref)
     assert reply.model_extra["splitspec"]["stats"]["target_calls"] >= 1
-    stream = client.completions.create(model=runner.model_id, prompt=[PROMPT], max_tokens=N_NEW, temperature=0,
+    stream = client.completions.create(model=runner.model_id, prompt=[text], max_tokens=N_NEW, temperature=0,
                                        stream=True, stream_options={"include_usage": True})
     chunks = [chunk.model_dump() for chunk in stream]
     assert {c["object"] for c in chunks} == {"text_completion"} and len({c["id"] for c in chunks}) == 1
@@ -180,7 +183,7 @@ def test_text_completions_continue_the_raw_prompt_as_the_target_would(runner, st
     assert chunks[-2]["choices"][0]["finish_reason"] == reply.choices[0].finish_reason
     assert chunks[-1]["usage"]["completion_tokens"] == reply.usage.completion_tokens
     stop = want[len(want) // 2: len(want) // 2 + 3]
-    cut = _complete_text(server, {"model": runner.model_id, "prompt": PROMPT, "max_tokens": N_NEW, "temperature": 0,
+    cut = _complete_text(server, {"model": runner.model_id, "prompt": text, "max_tokens": N_NEW, "temperature": 0,
                                   "stop": stop}).json()["choices"][0]
     assert cut["text"] == want[: want.index(stop)] and cut["finish_reason"] == "stop"
     health = httpx.get(f"{server.url}/health").json()
@@ -190,19 +193,28 @@ def test_text_completions_continue_the_raw_prompt_as_the_target_would(runner, st
 def test_a_text_prompts_private_span_never_reaches_the_verifier(runner, start):
     verifier = _RecordingVerifier(runner)
     server = start(_local_setup(runner, verifier=verifier))
+    # what ordinary clients send by default is accepted (QA 58: logprobs false was refused)
+    defaults = {"model": runner.model_id, "max_tokens": 6, "temperature": 0, "logprobs": False, "echo": False,
+                "n": 1, "best_of": 1, "suffix": None, "presence_penalty": 0, "user": "x"}
     for body in ({"prompt": "Lily met a <private>zqx</private> cat"},
                  {"prompt": "Lily met a zqx cat", "splitspec": {"private_spans": [[11, 14]]}}):
-        reply = _complete_text(server, {"model": runner.model_id, "max_tokens": 6, "temperature": 0, **body})
+        reply = _complete_text(server, {**defaults, **body})
         assert reply.status_code == 200 and reply.json()["splitspec"]["private_prompt_tokens"] > 0, reply.text
     assert len(verifier.opened) == 2 and verifier.opened[0] == verifier.opened[1]
     sent = runner.tokenizer.decode(verifier.opened[0])
     assert "Lily met a" in sent and "cat" in sent and "zqx" not in sent and "zq" not in sent
+    # a wholly private prompt, tags in it read as text of it (failing closed)
+    whole = _complete_text(server, {**defaults, "prompt": "Type </private> or zqx", "splitspec": {"private": True}})
+    assert whole.status_code == 200, whole.text
+    sent = runner.tokenizer.decode(verifier.opened[-1])
+    assert "zq" not in sent and "private" not in sent and "Type" not in sent
 
 
 @pytest.mark.parametrize("fields, param, code", [
     ({"prompt": "hi", "echo": True}, "echo", "unsupported_value"),
     ({"prompt": "hi", "suffix": "}"}, "suffix", "unsupported_value"),
     ({"prompt": "hi", "logprobs": 2}, "logprobs", "unsupported_value"),
+    ({"prompt": "hi", "logprobs": 0}, "logprobs", "unsupported_value"),  # 0: the chosen token's, still a logprob
     ({"prompt": "hi", "best_of": 2}, "best_of", "invalid_value"),
     ({"prompt": "hi", "n": 2}, "n", "invalid_value"),
     ({"prompt": ["a", "b"]}, "prompt", "unsupported_value"),

@@ -32,6 +32,7 @@ from .schema import ApiError, Completion
 from .text import AnswerText
 
 log = logging.getLogger(__name__)
+CONTEXT_TOKENS = 8  # prompt tokens a text completion's answer is decoded after
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,7 @@ class Engine:
                 ids, mask = encode_private_chat(self.tokenizer, messages)
             else:  # /v1/completions: the text as written, no chat template, no system prompt
                 ids, mask = encode_private_text(self.tokenizer, completion.prompt["content"],
-                                                completion.prompt["private_spans"])
+                                                completion.prompt["private_spans"], rendered=False)
         except (ValueError, TypeError) as err:  # TypeError: text the tokenizer refuses
             raise ApiError(400, str(err), param=param, code="invalid_value") from None
         if not ids:
@@ -300,7 +301,9 @@ class Engine:
             # its final_wait_s (30 s) for a service that may be restarting, holding the worker and
             # every request queued behind it; a link that drops mid-answer still goes offline.
             raise LinkDown("it did not answer a health probe (/health reports the link down); retry later")
-        text = AnswerText(self.tokenizer, job.completion.stop)
+        # a text completion continues the prompt's text: decoded after its last tokens (AnswerText)
+        context = job.prompt_ids[-CONTEXT_TOKENS:] if job.completion.prompt is not None else ()
+        text = AnswerText(self.tokenizer, job.completion.stop, context)
         writer, message = self._history_writer(job.completion)
 
         def on_event(event) -> None:

@@ -113,9 +113,10 @@ class ChatRequest(_Open):
 
 
 class PromptExtension(_Closed):
-    """A completions request's `splitspec` field: private character spans [start, end) of the prompt
-    (the same as <private> tags around them)."""
+    """A completions request's `splitspec` field: the whole prompt private, or private character
+    spans [start, end) of it (the same as <private> tags around them), as a chat message's."""
 
+    private: bool = False
     private_spans: list[tuple[int, int]] = []
 
 
@@ -134,7 +135,7 @@ class TextRequest(_Open):
     seed: int | None = Field(None, ge=0, lt=2**63)
     n: int | None = Field(None, ge=1, le=1)
     best_of: int | None = Field(None, ge=1, le=1)
-    logprobs: int | None = None
+    logprobs: StrictInt | StrictBool | None = None  # false / null: none asked (0 asks for the chosen token's)
     echo: bool | None = None
     suffix: str | None = None
     splitspec: PromptExtension | None = None
@@ -215,14 +216,15 @@ def parse_text_request(body: bytes) -> Completion:
             raise ApiError(400, f"prompt: one prompt per request (got {len(prompt)})", param="prompt",
                            code="unsupported_value")
         prompt = prompt[0]
-    for name, given in (("echo", req.echo), ("suffix", req.suffix), ("logprobs", req.logprobs is not None)):
+    for name, given in (("echo", req.echo), ("suffix", req.suffix), ("logprobs", req.logprobs is not None and req.logprobs is not False)):
         if given:
             raise ApiError(400, f"{name} is not supported", param=name, code="unsupported_value")
     stop = _stop(req)
-    spans = _spans(_text(prompt, "prompt"), sorted(req.splitspec.private_spans) if req.splitspec else [],
-                   "splitspec.private_spans")
-    try:
-        content, private = untagged(prompt, strict=True, spans=spans)
+    ext = req.splitspec or PromptExtension()
+    spans = [(0, len(prompt))] if ext.private and prompt else sorted(ext.private_spans)
+    _spans(_text(prompt, "prompt"), spans, "splitspec.private_spans")
+    try:  # a wholly private prompt may mention a tag: read failing closed, as a chat message's
+        content, private = untagged(prompt, strict=not ext.private, spans=spans)
     except ValueError as err:
         raise ApiError(400, f"prompt: {err}", param="prompt", code="invalid_value") from None
     _unicode_body(raw)

@@ -8,6 +8,7 @@ withdrawn by a `retract` delta (docs/daemon.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from ..answer import AnswerTokens, EventKind, StreamEvent
 
@@ -44,10 +45,19 @@ class AnswerText:
 
     Each delta's `source` is that of the tokens that wrote its text: text held back (a possible
     stop string's start, an incomplete character) and sent with later tokens' text is split where
-    the writer changes, so private text is never labelled another source (QA 57 finding 4)."""
+    the writer changes, so private text is never labelled another source (QA 57 finding 4).
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()) -> None:
+    `context`: the prompt's last tokens, when the answer continues the prompt's text as written (a
+    text completion): the answer is decoded after them, since a SentencePiece tokenizer drops the
+    leading space of the first token it decodes (" time" of "Once upon a" came out "time", QA 58).
+    A chat answer starts a message of its own and takes none."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), context: Sequence[int] = ()) -> None:
         self.tokenizer, self.stop = tokenizer, stop
+        self._context = list(context)
+        self._after = tokenizer.decode(self._context, skip_special_tokens=True) if self._context else ""
+        if self._after.endswith("\ufffd"):  # a character the answer's first token may complete: not a fixed prefix
+            self._context, self._after = [], ""
         self.tokens = AnswerTokens()  # ids and each one's provenance, relabels applied
         self.sent = 0  # characters of the answer already sent
         self.stop_at: int | None = None  # where the first stop string begins, once seen
@@ -138,8 +148,17 @@ class AnswerText:
         """Characters the first `tokens` ids decode to (cached: a prefix decodes the same until a
         retraction cuts into it)."""
         if tokens not in self._offsets:
-            self._offsets[tokens] = len(self.tokenizer.decode(self.ids[:tokens], skip_special_tokens=True))
+            self._offsets[tokens] = len(self._decode(self.ids[:tokens]))
         return self._offsets[tokens]
 
     def _text(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        return self._decode(self.ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        """The text `ids` add after the context (all of their text without one)."""
+        if not self._context:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        text = self.tokenizer.decode(self._context + ids, skip_special_tokens=True)
+        if not text.startswith(self._after):  # a tokenizer that decodes across the seam otherwise
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return text[len(self._after):]
