@@ -77,7 +77,9 @@ class RefusalLog:
     The first refusal is logged at once; the ones after it are counted by reason and written as one
     summary line when a refusal arrives `interval_s` or more after the last line. A flood of N
     refusals over T seconds thus writes at most 1 + T / interval_s lines (the counts of a flood's
-    tail are written with the next refusal). Not thread-safe: call from the event loop.
+    tail are written with the next refusal). Not thread-safe: call from the event loop. Lines are
+    WARNINGs, seen at serve's default level: an operator could not tell clients refused (a wrong
+    token, a full server) from an idle service (QA 58).
     """
 
     def __init__(self, logger: logging.Logger, what: str, interval_s: float = REFUSAL_LOG_INTERVAL_S,
@@ -96,10 +98,10 @@ class RefusalLog:
         total = sum(self._counts.values())
         detail = ", ".join(f"{n} {r}" for r, n in sorted(self._counts.items()))
         if self._since is None:
-            self.logger.info("%s refused (%s); further refusals are logged as counts at most every %g s",
+            self.logger.warning("%s refused (%s); further refusals are logged as counts at most every %g s",
                              self.what, detail, self.interval_s)
         else:
-            self.logger.info("%d %ss refused in the last %.0f s (%s)", total, self.what, now - self._since, detail)
+            self.logger.warning("%d %ss refused in the last %.0f s (%s)", total, self.what, now - self._since, detail)
         self._counts.clear()
         self._since = now
         return True

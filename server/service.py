@@ -51,7 +51,7 @@ from splitspec.shared.models import eos_token_ids, tokenizer_fingerprint
 from splitspec.v1 import verify_pb2 as pb
 from splitspec.v1 import verify_pb2_grpc as pb_grpc
 
-from .auth import BearerAuthInterceptor, TokenSet, client_identity, server_credentials
+from .auth import BearerAuthInterceptor, RefusalLog, TokenSet, client_identity, server_credentials
 from .limits import BUSY_RETRY_S, HEALTH_CALLS, CallLimits, KVBudget, RateLimiter, Reservation, kv_bytes_per_token, reply_feature_bytes
 from .metrics import ServiceMetrics
 from .runner import TargetRunner, TargetSession
@@ -145,7 +145,7 @@ def _refusals(method):
             return await method(self, request, context)
         except ServiceError as err:
             self.metrics.refused(name, err.code.name)
-            log.debug("%s refused with %s", name, err.code.name)
+            self.refusal_log.note(f"{name} {err.code.name}")
             if err.retry_after_s is not None:
                 pushback_ms = max(1, round(err.retry_after_s * 1e3))
                 context.set_trailing_metadata((("grpc-retry-pushback-ms", str(pushback_ms)),))
@@ -223,6 +223,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         self.authenticated = authenticated
         self.auth = None  # the BearerAuthInterceptor (create_server), whose tokens SIGHUP reloads
         self.metrics = metrics if metrics is not None else ServiceMetrics()
+        self.refusal_log = RefusalLog(log, "call")  # aggregated WARNINGs: method and status code, never contents
         self.metrics.track(lambda: len(self.sessions), lambda: self.kv.tokens, lambda: self.kv.bytes)
         self.draining = False
         self._inflight = 0

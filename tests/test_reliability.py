@@ -419,6 +419,23 @@ def test_health_calls_have_a_cap_of_their_own(spied, serve):
     channel.close()
 
 
+def test_refused_calls_are_logged_at_the_default_level(spied, serve, caplog):
+    """QA 58 ops finding 6: serve logged nothing of refused calls at its default level (WARNING), so
+    an operator could not tell refused clients from an idle service. One aggregated line names the
+    method and status code (never the request's contents)."""
+    runner, spy, fp = spied
+    server = serve(runner, ServerLimits(max_sessions=1))
+    caplog.set_level(logging.WARNING)
+    _, stub = _stub(server.address)
+    stub.OpenSession(_open_request(fp, 4), timeout=30)
+    for _ in range(3):
+        with pytest.raises(grpc.RpcError):
+            stub.OpenSession(_open_request(fp, 4), timeout=30)  # the one session is taken
+    lines = [r.getMessage() for r in caplog.records if r.name == "splitspec.server.service"]
+    assert lines == ["call refused (1 OpenSession RESOURCE_EXHAUSTED); further refusals are logged as counts at "
+                     "most every 60 s"], lines
+
+
 def test_refusal_log_aggregates_a_flood(caplog):
     now = [0.0]
     logger = logging.getLogger("splitspec.test.refusals")
