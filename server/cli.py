@@ -57,7 +57,8 @@ def _add_service_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-streams", type=int, default=d.max_concurrent_streams,
                    help="concurrent calls per client connection (HTTP/2 streams; more wait on the client)")
     p.add_argument("--max-calls", type=int, default=None,
-                   help="calls in flight over all connections; more are refused with RESOURCE_EXHAUSTED "
+                   help="calls in flight over all connections (health calls apart); more are refused with "
+                        "RESOURCE_EXHAUSTED and a retry hint "
                         f"(default: {CALLS_PER_SESSION} per --max-sessions + {CALLS_SPARE})")
     p.add_argument("--max-session-kv-tokens", type=int, default=None, help="KV budget per session, tokens")
     p.add_argument("--max-session-kv-bytes", type=parse_size, default=None, help="KV budget per session, bytes")

@@ -22,49 +22,57 @@ from .auth import HEALTH_PREFIX
 from .validation import ServiceError
 
 BUSY_RETRY_S = 1.0  # retry hint (grpc-retry-pushback-ms) of refusals that last only while others hold the server
-HEALTH_CALLS = 8  # health calls (Check, Watch streams) in flight at once: a cap of their own, beside call_limit
+HEALTH_WATCHES = 8  # Health.Watch streams open at once: a cap of their own, beside call_limit
+HEALTH_CHECK_SPARE = 16  # room for instant health checks in gRPC's backstop cap (create_server)
 
 
 class CallLimits(grpc.aio.ServerInterceptor):
-    """Calls in flight over all connections, capped apart for the standard health service
-    (`health`) and for the rest (`calls`, ServerLimits.call_limit); a call beyond its cap is refused
-    at once with RESOURCE_EXHAUSTED and a retry hint (BUSY_RETRY_S: calls end within a step).
+    """Calls in flight over all connections, capped apart for the standard health service's Watch
+    streams (`watches`) and for the service's own calls (`calls`, ServerLimits.call_limit); a call
+    beyond its cap is refused at once with RESOURCE_EXHAUSTED and a retry hint (BUSY_RETRY_S: calls
+    end within a step), told to `on_refusal(method)`. Health checks (unary `Check`, which answers
+    without waiting) pass uncounted: they are what clients probe the link with.
 
     Health needs no token and a Watch stream stays open as long as its caller likes: counted with
     the rest (gRPC's maximum_concurrent_rpcs counts every method), unauthenticated Watch streams held
-    every slot and locked every client out, and frequent health checks killed answers mid-way under a
-    small --max-calls (QA 58). gRPC's own cap stays as a backstop at `calls + health` (create_server).
-    Counted on the server's event loop: no lock is needed.
+    every slot and locked every client out; counted with the checks, they made every reconnect probe
+    fail (QA 58). gRPC's own cap stays as a backstop above the sum (create_server). Counted on the
+    server's event loop: no lock is needed.
     """
 
-    def __init__(self, calls: int, health: int = HEALTH_CALLS) -> None:
-        self.caps = {"calls": calls, "health": health}
-        self.active = {"calls": 0, "health": 0}
+    def __init__(self, calls: int, watches: int = HEALTH_WATCHES,
+                 on_refusal: Callable[[str], None] | None = None) -> None:
+        self.caps = {"calls": calls, "watches": watches}
+        self.active = {"calls": 0, "watches": 0}
+        self.on_refusal = on_refusal
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None or (handler.request_streaming and handler.response_streaming):  # none such here
             return handler
-        kind = "health" if handler_call_details.method.startswith(HEALTH_PREFIX) else "calls"
+        method = handler_call_details.method
+        if method.startswith(HEALTH_PREFIX) and not handler.response_streaming:
+            return handler  # Check
+        kind = "watches" if method.startswith(HEALTH_PREFIX) else "calls"
         wrap = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
         if handler.request_streaming:  # VerifyService's methods (service.py `service_handlers`)
-            return grpc.stream_unary_rpc_method_handler(self._counted_unary(handler.stream_unary, kind), **wrap)
+            return grpc.stream_unary_rpc_method_handler(self._counted_unary(handler.stream_unary, kind, method), **wrap)
         if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(self._counted_stream(handler.unary_stream, kind), **wrap)
-        return grpc.unary_unary_rpc_method_handler(self._counted_unary(handler.unary_unary, kind), **wrap)
+            return grpc.unary_stream_rpc_method_handler(self._counted_stream(handler.unary_stream, kind, method), **wrap)
+        return grpc.unary_unary_rpc_method_handler(self._counted_unary(handler.unary_unary, kind, method), **wrap)
 
-    def _counted_unary(self, behaviour, kind: str):
+    def _counted_unary(self, behaviour, kind: str, method: str):
         async def call(request, context):  # `request`: a message, or the iterator of a stream_unary call
-            await self._enter(context, kind)
+            await self._enter(context, kind, method)
             try:
                 return await behaviour(request, context)
             finally:
                 self.active[kind] -= 1
         return call
 
-    def _counted_stream(self, behaviour, kind: str):
+    def _counted_stream(self, behaviour, kind: str, method: str):
         async def call(request, context):  # writes its replies (context.write), as the health servicer does
-            await self._enter(context, kind)
+            await self._enter(context, kind, method)
             try:
                 replies = behaviour(request, context)
                 if hasattr(replies, "__aiter__"):
@@ -76,10 +84,12 @@ class CallLimits(grpc.aio.ServerInterceptor):
                 self.active[kind] -= 1
         return call
 
-    async def _enter(self, context, kind: str) -> None:
+    async def _enter(self, context, kind: str, method: str) -> None:
         if self.active[kind] >= self.caps[kind]:
+            if self.on_refusal is not None:
+                self.on_refusal(method.rpartition("/")[2])
             context.set_trailing_metadata((("grpc-retry-pushback-ms", str(round(BUSY_RETRY_S * 1e3))),))
-            what = "health calls" if kind == "health" else "calls (--max-calls)"
+            what = "health Watch streams" if kind == "watches" else "calls (--max-calls)"
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"the server has {self.active[kind]} {what} in flight, its limit; retry shortly")
         self.active[kind] += 1

@@ -52,7 +52,7 @@ from splitspec.v1 import verify_pb2 as pb
 from splitspec.v1 import verify_pb2_grpc as pb_grpc
 
 from .auth import BearerAuthInterceptor, RefusalLog, TokenSet, client_identity, server_credentials
-from .limits import BUSY_RETRY_S, HEALTH_CALLS, CallLimits, KVBudget, RateLimiter, Reservation, kv_bytes_per_token, reply_feature_bytes
+from .limits import BUSY_RETRY_S, HEALTH_CHECK_SPARE, HEALTH_WATCHES, CallLimits, KVBudget, RateLimiter, Reservation, kv_bytes_per_token, reply_feature_bytes
 from .metrics import ServiceMetrics
 from .runner import TargetRunner, TargetSession
 from .validation import (ServiceError, check_context, check_draft_probs, check_forced, check_open, check_tree,
@@ -833,15 +833,21 @@ async def create_server(runner: TargetRunner, address: str = "127.0.0.1:0",
         RuntimeError: the address cannot be bound.
     """
     metrics = metrics if metrics is not None else ServiceMetrics()
-    interceptors = []
-    if security.tokens:
-        interceptors.append(BearerAuthInterceptor(TokenSet(security.tokens),
-                                                  on_refusal=lambda method: metrics.refused(method, "UNAUTHENTICATED")))
-    interceptors.append(CallLimits(limits.call_limit))  # after auth: a refused token takes no slot
-    server = grpc.aio.server(options=server_options(limits), interceptors=interceptors,
-                             maximum_concurrent_rpcs=limits.call_limit + HEALTH_CALLS)
     servicer = VerifyServicer(runner, limits, metrics=metrics, authenticated=bool(security.tokens), worker=worker)
-    servicer.auth = interceptors[0] if interceptors else None  # its TokenSet is swapped on SIGHUP (`serve`)
+    auth = None
+    if security.tokens:
+        auth = BearerAuthInterceptor(TokenSet(security.tokens),
+                                     on_refusal=lambda method: metrics.refused(method, "UNAUTHENTICATED"))
+    servicer.auth = auth  # its TokenSet is swapped on SIGHUP (`serve`)
+
+    def over_cap(method: str) -> None:
+        metrics.refused(method, "RESOURCE_EXHAUSTED")
+        servicer.refusal_log.note(f"{method} RESOURCE_EXHAUSTED (calls in flight)")
+
+    limiter = CallLimits(limits.call_limit, on_refusal=over_cap)
+    # auth first: a refused token takes no slot; gRPC's own cap a backstop above the limiter's caps
+    server = grpc.aio.server(options=server_options(limits), interceptors=[i for i in (auth, limiter) if i],
+                             maximum_concurrent_rpcs=limits.call_limit + HEALTH_WATCHES + HEALTH_CHECK_SPARE)
     server.add_generic_rpc_handlers((service_handlers(servicer),))
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

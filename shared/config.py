@@ -53,7 +53,8 @@ class ServerLimits:
     # health probe, a close) and further calls wait on the client, so 32 bounds what one connection
     # can make the server buffer (32 x max_receive_bytes) without slowing any real client
     max_concurrent_streams: int = 32
-    # calls in flight over all connections, beyond which gRPC refuses new ones (RESOURCE_EXHAUSTED):
+    # the service's calls in flight over all connections (health calls apart), beyond which new ones
+    # are refused with RESOURCE_EXHAUSTED and a retry hint (server/limits.py CallLimits):
     # each may hold a request of up to max_receive_bytes, and the per-connection cap above does not
     # bound many connections (8 x 32 pending calls took a server from 1.5 to 8 GB, session 56);
     # None = `call_limit`'s default, CALLS_PER_SESSION per session plus CALLS_SPARE

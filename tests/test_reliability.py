@@ -387,26 +387,30 @@ def test_calls_in_flight_over_all_connections_capped(spied, serve):
         channel.close()
 
 
-def test_health_calls_have_a_cap_of_their_own(spied, serve):
+def test_health_calls_have_a_cap_of_their_own(spied, serve, caplog):
     """QA 58 ops finding 1: health needs no token, and Health.Watch streams stay open; counted with
     every other call, 20 of them held all of a small server's call slots and every client was
-    refused. Now health calls have their own cap (HEALTH_CALLS, refused beyond it with a retry hint)
-    and never take a client's slot."""
+    refused. Now Watch streams have their own cap (HEALTH_WATCHES, refused beyond it with a retry
+    hint) and never take a client's slot, and health checks, what clients probe the link with, pass
+    whatever the watchers hold (the review of QA 58's fix: a shared cap made every probe fail)."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from splitspec.server.limits import HEALTH_CALLS
+    from splitspec.server.limits import HEALTH_WATCHES
 
     runner, spy, fp = spied
     server = serve(runner, ServerLimits(max_calls=2))
     channel = grpc.insecure_channel(server.address)
     health = health_pb2_grpc.HealthStub(channel)
-    watches = [health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=30) for _ in range(HEALTH_CALLS)]
+    watches = [health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=30) for _ in range(HEALTH_WATCHES)]
     try:
         assert all(next(w).status == health_pb2.HealthCheckResponse.SERVING for w in watches)
         with pytest.raises(grpc.RpcError) as err:
             next(health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=10))
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "health calls" in err.value.details()
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "Watch streams" in err.value.details()
         assert dict(err.value.trailing_metadata())["grpc-retry-pushback-ms"] == "1000"
+        assert "Watch RESOURCE_EXHAUSTED (calls in flight)" in caplog.text  # logged and counted like any refusal
+        for _ in range(3):  # the client's reconnect probe
+            assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == 1
         _, stub = _stub(server.address)
         for _ in range(3):  # the two call slots are the clients' still
             session = stub.OpenSession(_open_request(fp, 4), timeout=30).session_id
