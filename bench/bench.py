@@ -276,7 +276,7 @@ def cmd_bench(args) -> None:
     try:
         with sigterm_exits():
             model, tokenizer, model_id = load_model(cfg.target)
-            check_prompts_fit(prompts, tokenizer, target_context(model), split=bool(cfg.methods))
+            check_prompts_fit(prompts, tokenizer, target_context(model), cfg.max_new_tokens, split=bool(cfg.methods))
             meta = {"target": model_id, "commit": source_commit(), "machine": machine_description(cfg.threads),
                     "seed": cfg.seed, "threads": cfg.threads, "max_new_tokens": cfg.max_new_tokens,
                     "decoding": decoding_text(cfg.sampling)}
@@ -395,18 +395,23 @@ def target_context(model) -> int:
     return int(getattr(model.config, "max_position_embeddings", 2048))
 
 
-def check_prompts_fit(prompts: list[dict], tokenizer, context: int, split: bool) -> None:
+def check_prompts_fit(prompts: list[dict], tokenizer, context: int, max_new_tokens: int, split: bool) -> None:
     """Raises ValueError, before anything is measured, naming the prompts whose chat-rendered tokens
-    leave no room for an answer in the target's `context` or, with `split` arms, are over the verify
-    service's max_prompt_tokens (a run that reached one failed there, QA 58)."""
-    limit = min(context - 1, ServerLimits.max_prompt_tokens if split else context)
-    over = [(p, n) for p in prompts
-            if (n := len(encode_chat(tokenizer, [{"role": "user", "content": p["text"]}]))) > limit]
+    and `max_new_tokens` do not fit the target's `context` or, with `split` arms, that are over the
+    verify service's max_prompt_tokens. A run that reached such a prompt failed there (QA 58), or,
+    where the prompt left a little room, every arm's answer stopped at the full context while
+    generate()'s ran on, and the run was failed as lossy after all its measuring (the review)."""
+    over = []
+    for p in prompts:
+        n = len(encode_chat(tokenizer, [{"role": "user", "content": p["text"]}]))
+        if n + max_new_tokens > context or (split and n > ServerLimits.max_prompt_tokens):
+            over.append((p, n))
     if over:
         named = ", ".join(f"{p['category']}/{p['id']} ({n} tokens)" for p, n in over[:5])
-        where = f" and a split prompt at most {ServerLimits.max_prompt_tokens}" if split else ""
+        where = f"; a split prompt at most {ServerLimits.max_prompt_tokens}" if split else ""
         raise ValueError(f"{len(over)} of the {len(prompts)} prompts do not fit (the target's context is {context} "
-                         f"tokens{where}): {named}{', ...' if len(over) > 5 else ''}; leave out their --categories "
+                         f"tokens, prompt and --max-new-tokens {max_new_tokens} together{where}): {named}"
+                         f"{', ...' if len(over) > 5 else ''}; leave out their --categories, lower --max-new-tokens "
                          "or use a target with a longer context")
 
 

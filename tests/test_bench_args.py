@@ -400,16 +400,23 @@ def test_an_interrupted_bench_keeps_the_answers_it_finished(tmp_path, monkeypatc
 
 def test_prompts_that_do_not_fit_are_refused_before_measuring(stories):
     """QA 58: a run reaching a prompt longer than the target's context died there, after minutes of
-    answers (and, then, kept none of them)."""
+    answers (and, then, kept none of them); one that left less room than --max-new-tokens had every
+    arm stop at the full context while generate() ran on, and failed as lossy at the end."""
     _, tokenizer, _ = stories
     prompts = [{"category": "writing", "id": "1", "text": "a short one"},
                {"category": "rag", "id": "2", "text": "word " * 700}]
-    with pytest.raises(ValueError, match=r"1 of the 2 prompts do not fit \(the target's context is 512 tokens\): "
-                                         r"rag/2 \(\d+ tokens\)"):
-        bench_mod.check_prompts_fit(prompts, tokenizer, 512, split=False)
-    bench_mod.check_prompts_fit(prompts, tokenizer, 8192, split=False)
+    with pytest.raises(ValueError, match=r"1 of the 2 prompts do not fit \(the target's context is 512 tokens, prompt "
+                                         r"and --max-new-tokens 16 together\): rag/2 \(\d+ tokens\)"):
+        bench_mod.check_prompts_fit(prompts, tokenizer, 512, 16, split=False)
+    bench_mod.check_prompts_fit(prompts, tokenizer, 8192, 16, split=False)
+    n = len(bench_mod.encode_chat(tokenizer, [{"role": "user", "content": "word " * 50}]))
+    near = [{"category": "qa", "id": "4", "text": "word " * 50}]
+    bench_mod.check_prompts_fit(near, tokenizer, n + 48, 48, split=False)
+    with pytest.raises(ValueError, match="qa/4"):
+        bench_mod.check_prompts_fit(near, tokenizer, n + 47, 48, split=False)
     with pytest.raises(ValueError, match="a split prompt at most 4096"):
-        bench_mod.check_prompts_fit([{"category": "rag", "id": "3", "text": "word " * 5000}], tokenizer, 8192, split=True)
+        bench_mod.check_prompts_fit([{"category": "rag", "id": "3", "text": "word " * 5000}], tokenizer, 8192, 16,
+                                    split=True)
 
 
 # --- 8. output paths checked before measuring ---------------------------------------------------------
