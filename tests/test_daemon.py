@@ -183,11 +183,20 @@ def test_text_completions_continue_the_raw_prompt_as_the_target_would(runner, st
     assert chunks[-2]["choices"][0]["finish_reason"] == reply.choices[0].finish_reason
     assert chunks[-1]["usage"]["completion_tokens"] == reply.usage.completion_tokens
     stop = want[len(want) // 2: len(want) // 2 + 3]
-    cut = _complete_text(server, {"model": runner.model_id, "prompt": text, "max_tokens": N_NEW, "temperature": 0,
-                                  "stop": stop}).json()["choices"][0]
+    reply = _complete_text(server, {"model": runner.model_id, "prompt": text, "max_tokens": N_NEW, "temperature": 0,
+                                    "stop": stop}).json()
+    cut = reply["choices"][0]
     assert cut["text"] == want[: want.index(stop)] and cut["finish_reason"] == "stop"
+    # usage counts the tokens that hold the cut text, decoded after the prompt as the text is
+    held = next(k for k in range(len(ref) + 1)
+                if len(tokenizer.decode(prompt + ref[:k], skip_special_tokens=True)) - len(before) >= len(cut["text"]))
+    assert reply["usage"]["completion_tokens"] == held
+    two = tokenizer.decode(prompt + ref[:2], skip_special_tokens=True)[len(before):]  # a stop right after token 2
+    reply = _complete_text(server, {"model": runner.model_id, "prompt": text, "max_tokens": N_NEW, "temperature": 0,
+                                    "stop": want[len(two):len(two) + 3]}).json()
+    assert reply["choices"][0]["text"] == two and reply["usage"]["completion_tokens"] == 2
     health = httpx.get(f"{server.url}/health").json()
-    assert health["requests"]["completed"] == 3
+    assert health["requests"]["completed"] == 4
 
 
 def test_a_text_prompts_private_span_never_reaches_the_verifier(runner, start):

@@ -333,22 +333,9 @@ class Engine:
             job.sink(delta)
         reason = "stop" if text.stopped or gen.stopped_by_eos else "length"
         private = sum(job.privacy.mask) if job.privacy else 0
-        tokens = self._tokens_before(text.ids, len(text.text)) if text.stopped else gen.stats.new_tokens
+        tokens = text.tokens_holding(len(text.text)) if text.stopped else gen.stats.new_tokens
         job.sink(Finished(text.text, reason, gen, len(job.prompt_ids), private, text.retracted, tokens, tuple(spans)))
         return "completed"
-
-    def _tokens_before(self, ids: list[int], chars: int) -> int:
-        """The fewest of `ids` whose text holds the answer's `chars` characters: the answer's
-        tokens when a stop string cut it (the step that wrote the stop may have accepted more).
-        A binary search (decoded length grows with the prefix): O(log n) decodes, not O(n)."""
-        lo, hi = 0, len(ids)  # the answer lies in [lo, hi]; decode(ids) holds the text
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if len(self.tokenizer.decode(ids[:mid], skip_special_tokens=True)) >= chars:
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
 
     def _history_writer(self, completion):
         """(event consumer mirroring the answer into the history, its message id), or (None, None)

@@ -102,6 +102,21 @@ class AnswerText:
         text = self._text()
         return text[: self.stop_at] if self.stop_at is not None else text.rstrip("\ufffd")
 
+    def tokens_holding(self, chars: int) -> int:
+        """The fewest of the answer's tokens whose text holds its first `chars` characters: the
+        answer's tokens when a stop string cut it (the step that wrote the stop may have accepted
+        more). Decoded as the answer is (after the context), so a text completion's leading space
+        counts (decoded alone, a SentencePiece answer counted one token too many, the review of QA
+        58's fix). A binary search: O(log n) decodes."""
+        lo, hi = 0, len(self.ids)  # the answer lies in [lo, hi]; all the ids hold the text
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._chars(mid) >= chars:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
     def _flush(self, final: bool) -> list[Delta]:
         text = self._text()
         self._find_stop(text)
