@@ -243,6 +243,10 @@ def test_qa58_run_folder_states_each_get_a_consistent_answer(stories_path, tmp_p
         train(_small(stories_path, run, drafter="eagle2", max_tokens=150), progress=False)
     with pytest.raises(ValueError, match="holds no saved run"):
         train(_small(stories_path, run, drafter="eagle2", max_tokens=150, resume=True), progress=False)
+    # a single drafter's run writes into the folder itself: a run of two over it leaves none of it there
+    train(_small(stories_path, run, max_tokens=150, overwrite=True), progress=False)
+    assert not (run / "model.safetensors").exists() and not (run / "best").exists()
+    assert (run / "eagle2" / "model.safetensors").exists() and (run / "moa-tli0" / "model.safetensors").exists()
 
 
 def test_qa58_cards_reproduce_what_ran(stories_path, tmp_path):

@@ -1152,8 +1152,8 @@ def _clear_earlier_run(cfg: TrainConfig) -> None:
     checkpoint of another recipe, until this run's first tau beat it (QA 58); a state left behind
     would let --resume continue the earlier run under this one's checkpoints."""
     (cfg.out / STATE).unlink(missing_ok=True)
-    for job in cfg.jobs():
-        folder = cfg.out_dir(job)
+    # the folder itself too: an earlier single-drafter run wrote there (the review of QA 58's fix)
+    for folder in dict.fromkeys([cfg.out, *(cfg.out_dir(job) for job in cfg.jobs())]):
         shutil.rmtree(folder / BEST, ignore_errors=True)
         for name in ("model.safetensors", "drafter.json", "card.md", "history.jsonl"):
             (folder / name).unlink(missing_ok=True)

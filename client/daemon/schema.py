@@ -206,8 +206,9 @@ def parse_text_request(body: bytes) -> Completion:
     """The Completion of a (legacy) completions request body: one prompt, continued as written.
 
     Raises:
-        ApiError: 400 as `parse_request`, and for several prompts, echo, suffix, best_of > 1 or
-            logprobs (unsupported_value), or unmatched <private> tags in the prompt.
+        ApiError: 400 as `parse_request`, and for several prompts, echo, suffix or logprobs
+            (unsupported_value), best_of > 1 (invalid_value, as n > 1), or unmatched <private> tags
+            in the prompt.
     """
     raw, req = _validated(body, TextRequest)
     prompt = req.prompt
