@@ -190,6 +190,11 @@ def test_distill_data_leaves_other_files_untouched_and_rewrites_atomically(stori
     monkeypatch.undo()
     distill_data(DistillConfig(out=path, **common), convs)
     assert path.read_text() == whole
+    # a damaged line before the end: extended as it was, train refused the file later (QA 58)
+    lines = whole.splitlines(keepends=True)
+    path.write_text("".join(lines[:2]) + "garbage{\n" + "".join(lines[3:]))
+    with pytest.raises(ValueError, match=r"d.jsonl line 3: not a distill-data record, .* \(head -n 2\)"):
+        distill_data(DistillConfig(out=path, **{**common, "limit": 8}), convs)
 
 
 def test_run_folders_are_resumed_only_into_the_same_run(stories_path, tmp_path):

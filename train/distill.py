@@ -144,6 +144,13 @@ def _done(path: Path, keep: int | None = None) -> int:
     lines = text.splitlines(keepends=True)
     while lines and not lines[-1].endswith("\n"):
         lines.pop()
+    for number, line in enumerate(lines[1:], start=2):  # extended as it is, `train` would refuse it later (QA 58)
+        try:
+            record = json.loads(line)
+            record["prompt_ids"], record["answer_ids"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f"{path} line {number}: not a distill-data record, so the file is damaged before its "
+                             f"end: keep the records before it (head -n {number - 1}) or write another --out") from None
     if keep is not None:
         lines = lines[: 1 + keep]
     kept = "".join(lines)
