@@ -36,8 +36,10 @@ class CallLimits(grpc.aio.ServerInterceptor):
     Health needs no token and a Watch stream stays open as long as its caller likes: counted with
     the rest (gRPC's maximum_concurrent_rpcs counts every method), unauthenticated Watch streams held
     every slot and locked every client out; counted with the checks, they made every reconnect probe
-    fail (QA 58). gRPC's own cap stays as a backstop above the sum (create_server). Counted on the
-    server's event loop: no lock is needed.
+    fail (QA 58). gRPC's own cap stays as a backstop above the sum (create_server). It counts calls
+    from their arrival, before the limiter sees them: half-open calls (no request message sent)
+    still fill it while they stay open, a gap the limiter does not close. Counted on the server's
+    event loop: no lock is needed.
     """
 
     def __init__(self, calls: int, watches: int = HEALTH_WATCHES,

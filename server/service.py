@@ -783,7 +783,7 @@ def _one_request(servicer: VerifyServicer, name: str):
         received = [request async for request in _at_most(requests, 2)]
         if len(received) != 1:
             servicer.metrics.refused(name, grpc.StatusCode.INVALID_ARGUMENT.name)
-            log.debug("%s refused: %d request messages", name, len(received))
+            servicer.refusal_log.note(f"{name} {grpc.StatusCode.INVALID_ARGUMENT.name}")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"{name} takes exactly one request message; the call carried "
                                 f"{'none' if not received else 'more than one'}")
