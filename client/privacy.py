@@ -483,8 +483,8 @@ def with_private_tags(text: str, spans: Sequence[tuple[int, int]]) -> str:
     return text
 
 
-def private_answer_spans(tokenizer, tokens: Sequence[int], sources: Sequence[str], text: str | None = None
-                         ) -> list[tuple[int, int]]:
+def private_answer_spans(tokenizer, tokens: Sequence[int], sources: Sequence[str], text: str | None = None,
+                         decode: Callable[[list[int]], str] | None = None) -> list[tuple[int, int]]:
     """The character spans [start, end) of an answer's text that the client wrote from private
     prompt spans (source "private": client/loop.py writes the drafter's reproduction of private text
     itself). A later turn sends the answer back as part of its prompt, so these spans must be marked
@@ -494,13 +494,17 @@ def private_answer_spans(tokenizer, tokens: Sequence[int], sources: Sequence[str
     decoded tokens (skip_special_tokens) or a prefix of them (a stop string cut it); default the
     decoded tokens. Spans are clipped to `text`. When prefixes of the tokens do not decode to prefixes
     of the text (a tokenizer that decodes context-dependently), the whole text is one span: the
-    answer stays on the device rather than risk a misplaced span.
+    answer stays on the device rather than risk a misplaced span. `decode(ids)`: how the text was
+    decoded from the tokens (default: alone, skip_special_tokens; a text completion's answer is
+    decoded after the prompt, client/daemon/text.py `AnswerText.decode`).
     """
     if len(tokens) != len(sources):
         raise ValueError(f"{len(sources)} sources for {len(tokens)} tokens")
     if "private" not in sources:  # the common case: nothing to decode
         return []
-    full = tokenizer.decode(list(tokens), skip_special_tokens=True)
+    if decode is None:
+        decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    full = decode(list(tokens))
     text = full if text is None else text
     if not text:
         return []
@@ -515,8 +519,7 @@ def private_answer_spans(tokenizer, tokens: Sequence[int], sources: Sequence[str
         j = i
         while j < len(tokens) and sources[j] == "private":
             j += 1
-        before = tokenizer.decode(list(tokens[:i]), skip_special_tokens=True)
-        through = tokenizer.decode(list(tokens[:j]), skip_special_tokens=True)
+        before, through = decode(list(tokens[:i])), decode(list(tokens[:j]))
         if not (full.startswith(before) and full.startswith(through)):
             return [(0, len(text))]
         start, end = len(before), min(len(through), len(text))

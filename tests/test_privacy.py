@@ -808,3 +808,22 @@ def test_a_private_numbers_digit_grams_do_not_make_public_numbers_local(name, st
     pruned = with_text.prune(context, Proposal(DraftTree.chain(public)))
     assert pruned.tree.size == 1  # the private gram's node and what hangs below it are cut: lossless
     assert with_text.private_run(context, secret + apples) == ids_only.private_run(context, secret + apples) == len(secret)
+
+
+def test_answer_spans_follow_the_decoding_the_text_was_made_with(stories):
+    """A text completion's answer is decoded after the prompt (its first token's leading space kept);
+    its private spans, worked out from the answer decoded alone, covered the whole text (the second
+    review of QA 58's fixes): `decode` says how the text was made."""
+    from splitspec.client.daemon.text import AnswerText
+    from splitspec.client.privacy import private_answer_spans
+
+    _, tokenizer, _ = stories
+    prompt = tokenizer("Once upon a")["input_ids"]
+    zqx = tokenizer(" zqx", add_special_tokens=False)["input_ids"]
+    cat = tokenizer(" cat", add_special_tokens=False)["input_ids"]
+    tokens, sources = zqx + cat, ["private"] * len(zqx) + ["target"] * len(cat)
+    after = AnswerText(tokenizer, (), prompt)
+    text = after.decode(tokens)
+    assert text.startswith(" ") and private_answer_spans(tokenizer, tokens, sources, text) == [(0, len(text))]
+    spans = private_answer_spans(tokenizer, tokens, sources, text, decode=after.decode)
+    assert len(spans) == 1 and spans[0][0] == 0 and "zqx" in text[slice(*spans[0])] and "cat" not in text[slice(*spans[0])]

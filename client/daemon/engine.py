@@ -319,7 +319,8 @@ class Engine:
                                               should_stop=lambda: text.stopped, cancelled=job.cancelled.is_set)
         finally:
             # what the client wrote from private spans, in the answer's text: stored tagged, and sent
-            spans = None if gen is None else private_answer_spans(self.tokenizer, gen.tokens, gen.sources, text.text)
+            spans = None if gen is None else private_answer_spans(self.tokenizer, gen.tokens, gen.sources, text.text,
+                                                                  decode=text.decode)
             if message is not None:  # what was written stays, also when the answer was cut short (complete = 0)
                 if spans is None:  # the answer failed: what its committed token rows say
                     rows = self.history.tokens(message)

@@ -163,13 +163,13 @@ class AnswerText:
         """Characters the first `tokens` ids decode to (cached: a prefix decodes the same until a
         retraction cuts into it)."""
         if tokens not in self._offsets:
-            self._offsets[tokens] = len(self._decode(self.ids[:tokens]))
+            self._offsets[tokens] = len(self.decode(self.ids[:tokens]))
         return self._offsets[tokens]
 
     def _text(self) -> str:
-        return self._decode(self.ids)
+        return self.decode(self.ids)
 
-    def _decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int]) -> str:
         """The text `ids` add after the context (all of their text without one)."""
         if not self._context:
             return self.tokenizer.decode(ids, skip_special_tokens=True)
