@@ -38,7 +38,7 @@ from splitspec.netsim import load_profile
 from splitspec.netsim.schedule import ProfileSwitching, ScheduledSwitches
 from splitspec.netsim.backends import RelayBackend
 from splitspec.server.local import LocalVerifier
-from splitspec.server.runner import TargetRunner
+from splitspec.server.runner import TargetRunner, context_length
 from splitspec.shared.config import ServerLimits
 from splitspec.shared.drafters.spec import SELF_DRAFTING, DrafterSpec
 from splitspec.shared.models import cpu_model, encode_chat, eos_token_ids, load_model
@@ -276,7 +276,7 @@ def cmd_bench(args) -> None:
     try:
         with sigterm_exits():
             model, tokenizer, model_id = load_model(cfg.target)
-            check_prompts_fit(prompts, tokenizer, target_context(model), cfg.max_new_tokens, split=bool(cfg.methods))
+            check_prompts_fit(prompts, model, tokenizer, cfg.max_new_tokens, split=bool(cfg.methods))
             meta = {"target": model_id, "commit": source_commit(), "machine": machine_description(cfg.threads),
                     "seed": cfg.seed, "threads": cfg.threads, "max_new_tokens": cfg.max_new_tokens,
                     "decoding": decoding_text(cfg.sampling)}
@@ -390,18 +390,14 @@ def keep_interrupted(cfg: BenchConfig, records: list[BenchRecord], why: str = "i
           "(no table: rerun for one)", file=sys.stderr)
 
 
-def target_context(model) -> int:
-    """The target's context in tokens, as the verify service takes it (server/runner.py `max_positions`)."""
-    return int(getattr(model.config, "max_position_embeddings", 2048))
-
-
-def check_prompts_fit(prompts: list[dict], tokenizer, context: int, max_new_tokens: int, split: bool) -> None:
+def check_prompts_fit(prompts: list[dict], model, tokenizer, max_new_tokens: int, split: bool) -> None:
     """Raises ValueError, before anything is measured, naming the prompts whose chat-rendered tokens
-    and `max_new_tokens` do not fit the target's `context` or, with `split` arms, that are over the
+    and `max_new_tokens` do not fit the target `model`'s context (as the verify service takes it,
+    server/runner.py `context_length`) or, with `split` arms, that are over the
     verify service's max_prompt_tokens. A run that reached such a prompt failed there (QA 58), or,
     where the prompt left a little room, every arm's answer stopped at the full context while
     generate()'s ran on, and the run was failed as lossy after all its measuring (the review)."""
-    over = []
+    context, over = context_length(model.config), []
     for p in prompts:
         n = len(encode_chat(tokenizer, [{"role": "user", "content": p["text"]}]))
         if n + max_new_tokens > context or (split and n > ServerLimits.max_prompt_tokens):

@@ -68,6 +68,12 @@ class StepOutput:
     forward_ms: float
 
 
+def context_length(config) -> int:
+    """The longest context of a model with this transformers config, in tokens: its
+    `max_position_embeddings` (2048 without one)."""
+    return int(getattr(config, "max_position_embeddings", 2048))
+
+
 class TargetRunner:
     """Runs the target model for sessions. Not thread-safe: call from one thread."""
 
@@ -103,8 +109,8 @@ class TargetRunner:
 
     @property
     def max_positions(self) -> int:
-        """The longest context in tokens: the model's `max_position_embeddings` (2048 without one)."""
-        return int(getattr(self.config, "max_position_embeddings", 2048))
+        """The longest context in tokens (`context_length`)."""
+        return context_length(self.config)
 
     def _elapsed_ms(self, start: float) -> float:
         """Milliseconds since `start` (a perf_counter time) of the model work queued since: on CUDA

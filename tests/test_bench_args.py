@@ -349,13 +349,17 @@ def test_report_warns_of_a_lossy_answer_by_arm_and_prompt():
     assert inexact_answers(sampled) == ""  # sampled answers are not compared
 
 
-def test_bench_fails_after_writing_a_report_with_a_lossy_answer(tmp_path, monkeypatch, capsys, spec_bench):
-    rows = [record("local", "generate()", None), record("local", "ngram", None, exact=False)]
+def _bench_without_models(monkeypatch, run_arms) -> None:
+    """`bench` with no target loaded and no arms built: `run_arms` stands in for the measuring."""
     monkeypatch.setattr(bench_mod, "load_model", lambda target: (None, None, "tiny"))
     monkeypatch.setattr(bench_mod, "check_prompts_fit", lambda *args, **kw: None)
-    monkeypatch.setattr(bench_mod, "target_context", lambda model: 2048)
     monkeypatch.setattr(bench_mod, "build_arms", lambda *args: [])
-    monkeypatch.setattr(bench_mod, "run_arms", lambda *args: rows)
+    monkeypatch.setattr(bench_mod, "run_arms", run_arms)
+
+
+def test_bench_fails_after_writing_a_report_with_a_lossy_answer(tmp_path, monkeypatch, capsys, spec_bench):
+    rows = [record("local", "generate()", None), record("local", "ngram", None, exact=False)]
+    _bench_without_models(monkeypatch, lambda *args: rows)
     out = tmp_path / "out"
     rc = main(["bench", "--methods", "", "--local-methods", "ngram", "--datasets", "spec_bench", "--categories",
                "writing", "--spec-bench", str(spec_bench), "--out", str(out)])
@@ -376,11 +380,7 @@ def test_an_interrupted_bench_keeps_the_answers_it_finished(tmp_path, monkeypatc
         records += rows
         raise stop()
 
-    monkeypatch.setattr(bench_mod, "load_model", lambda target: (None, None, "tiny"))
-    monkeypatch.setattr(bench_mod, "check_prompts_fit", lambda *args, **kw: None)
-    monkeypatch.setattr(bench_mod, "target_context", lambda model: 2048)
-    monkeypatch.setattr(bench_mod, "build_arms", lambda *args: [])
-    monkeypatch.setattr(bench_mod, "run_arms", interrupted)
+    _bench_without_models(monkeypatch, interrupted)
     out = tmp_path / "out"
     argv = ["bench", "--methods", "", "--local-methods", "ngram", "--datasets", "spec_bench", "--categories",
             "writing", "--spec-bench", str(spec_bench), "--out", str(out)]
@@ -402,20 +402,23 @@ def test_prompts_that_do_not_fit_are_refused_before_measuring(stories):
     """QA 58: a run reaching a prompt longer than the target's context died there, after minutes of
     answers (and, then, kept none of them); one that left less room than --max-new-tokens had every
     arm stop at the full context while generate() ran on, and failed as lossy at the end."""
+    from types import SimpleNamespace
+
     _, tokenizer, _ = stories
+    context = lambda n: SimpleNamespace(config=SimpleNamespace(max_position_embeddings=n))  # noqa: E731
     prompts = [{"category": "writing", "id": "1", "text": "a short one"},
                {"category": "rag", "id": "2", "text": "word " * 700}]
     with pytest.raises(ValueError, match=r"1 of the 2 prompts do not fit \(the target's context is 512 tokens, prompt "
                                          r"and --max-new-tokens 16 together\): rag/2 \(\d+ tokens\)"):
-        bench_mod.check_prompts_fit(prompts, tokenizer, 512, 16, split=False)
-    bench_mod.check_prompts_fit(prompts, tokenizer, 8192, 16, split=False)
+        bench_mod.check_prompts_fit(prompts, context(512), tokenizer, 16, split=False)
+    bench_mod.check_prompts_fit(prompts, context(8192), tokenizer, 16, split=False)
     n = len(bench_mod.encode_chat(tokenizer, [{"role": "user", "content": "word " * 50}]))
     near = [{"category": "qa", "id": "4", "text": "word " * 50}]
-    bench_mod.check_prompts_fit(near, tokenizer, n + 48, 48, split=False)
+    bench_mod.check_prompts_fit(near, context(n + 48), tokenizer, 48, split=False)
     with pytest.raises(ValueError, match="qa/4"):
-        bench_mod.check_prompts_fit(near, tokenizer, n + 47, 48, split=False)
+        bench_mod.check_prompts_fit(near, context(n + 47), tokenizer, 48, split=False)
     with pytest.raises(ValueError, match="a split prompt at most 4096"):
-        bench_mod.check_prompts_fit([{"category": "rag", "id": "3", "text": "word " * 5000}], tokenizer, 8192, 16,
+        bench_mod.check_prompts_fit([{"category": "rag", "id": "3", "text": "word " * 5000}], context(8192), tokenizer, 16,
                                     split=True)
 
 
@@ -625,11 +628,7 @@ def test_bench_keeps_an_earlier_run_unless_overwrite(tmp_path, monkeypatch, caps
     """QA 57 bench finding 3: a second run replaced the first silently, and an interrupted one left its
     partial results.jsonl beside the earlier run's table and plots."""
     rows = [record("local", "generate()", None), record("local", "ngram", None)]
-    monkeypatch.setattr(bench_mod, "load_model", lambda target: (None, None, "tiny"))
-    monkeypatch.setattr(bench_mod, "check_prompts_fit", lambda *args, **kw: None)
-    monkeypatch.setattr(bench_mod, "target_context", lambda model: 2048)
-    monkeypatch.setattr(bench_mod, "build_arms", lambda *args: [])
-    monkeypatch.setattr(bench_mod, "run_arms", lambda *args: rows)
+    _bench_without_models(monkeypatch, lambda *args: rows)
     out = tmp_path / "out"
     out.mkdir()
     (out / "table.md").write_text("earlier\n")
