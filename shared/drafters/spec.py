@@ -118,12 +118,12 @@ class DrafterSpec:
         spec = replace(cls(**_name_fields(name), **defaults), **_option_fields(given, text))
         # an option that does nothing for this drafter, given explicitly, is refused: it made a second
         # bench arm of the same drafter, or a user believe it applied (QA 57)
-        idle = {key: why for key, why in _idle_options(spec.kind).items() if key in given}
+        unused = _idle_options(spec.kind)
+        idle = {key: why for key, why in unused.items() if key in given}
         if idle:
             raise ValueError(f"{spec.kind} takes no {', '.join(k + '=' for k in idle)} in {text!r} "
                              f"({'; '.join(dict.fromkeys(idle.values()))})")
-        idle = {flag: _idle_options(spec.kind)[key] for key, flag in (flags or {}).items()
-                if key in _idle_options(spec.kind)}
+        idle = {flag: unused[key] for key, flag in (flags or {}).items() if key in unused}
         if idle:
             raise ValueError(f"{', '.join(idle)} does nothing for the drafter {spec.kind} "
                              f"({'; '.join(dict.fromkeys(idle.values()))})")
