@@ -152,12 +152,13 @@ class Engine:
                 that leaves no room in the target's context or is over the verify service's
                 `max_prompt_tokens` (code context_length_exceeded).
         """
-        messages, param = completion.messages, "messages" if completion.prompt is None else "prompt"
+        param = "messages" if completion.prompt is None else "prompt"
         takes = "the messages take" if completion.prompt is None else "the prompt takes"
-        if self.config.system and not any(m["role"] == "system" for m in messages):
-            messages = [{"role": "system", "content": self.config.system}, *messages]
         try:
             if completion.prompt is None:
+                messages = completion.messages
+                if self.config.system and not any(m["role"] == "system" for m in messages):
+                    messages = [{"role": "system", "content": self.config.system}, *messages]
                 ids, mask = encode_private_chat(self.tokenizer, messages)
             else:  # /v1/completions: the text as written, no chat template, no system prompt
                 ids, mask = encode_private_text(self.tokenizer, completion.prompt["content"],
