@@ -99,7 +99,7 @@ class RefusalLog:
         detail = ", ".join(f"{n} {r}" for r, n in sorted(self._counts.items()))
         if self._since is None:
             self.logger.warning("%s refused (%s); further refusals are logged as counts at most every %g s",
-                             self.what, detail, self.interval_s)
+                                self.what, detail, self.interval_s)
         else:
             self.logger.warning("%d %ss refused in the last %.0f s (%s)", total, self.what, now - self._since, detail)
         self._counts.clear()

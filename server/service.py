@@ -52,7 +52,8 @@ from splitspec.v1 import verify_pb2 as pb
 from splitspec.v1 import verify_pb2_grpc as pb_grpc
 
 from .auth import BearerAuthInterceptor, RefusalLog, TokenSet, client_identity, server_credentials
-from .limits import BUSY_RETRY_S, HEALTH_CHECK_SPARE, HEALTH_WATCHES, CallLimits, KVBudget, RateLimiter, Reservation, kv_bytes_per_token, reply_feature_bytes
+from .limits import (BUSY_RETRY_S, HEALTH_CHECK_SPARE, HEALTH_WATCHES, CallLimits, KVBudget, RateLimiter, Reservation,
+                     kv_bytes_per_token, reply_feature_bytes)
 from .metrics import ServiceMetrics
 from .runner import TargetRunner, TargetSession
 from .validation import (ServiceError, check_context, check_draft_probs, check_forced, check_open, check_tree,
@@ -144,8 +145,7 @@ def _refusals(method):
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid {request.type_name}")
             return await method(self, request, context)
         except ServiceError as err:
-            self.metrics.refused(name, err.code.name)
-            self.refusal_log.note(f"{name} {err.code.name}")
+            self.refused(name, err.code.name)
             if err.retry_after_s is not None:
                 pushback_ms = max(1, round(err.retry_after_s * 1e3))
                 context.set_trailing_metadata((("grpc-retry-pushback-ms", str(pushback_ms)),))
@@ -635,6 +635,12 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         log.debug("session closed after %d steps, %d sessions", entry.session.step, len(self.sessions))
         return pb.CloseSessionReply()
 
+    def refused(self, method: str, code: str, why: str = "") -> None:
+        """Count a refusal of `method` with status `code` in the metrics and the aggregated refusal
+        log (`why`: a fixed phrase beside the code; never request contents)."""
+        self.metrics.refused(method, code)
+        self.refusal_log.note(f"{method} {code}" + (f" ({why})" if why else ""))
+
     def _forget_abandoned(self, names, owner: str) -> None:
         """Close the sessions made by earlier opens of this caller whose replies never reached it
         (`names`: their OpenSessionRequest.open_id, as a later open lists them). Another caller's
@@ -782,8 +788,7 @@ def _one_request(servicer: VerifyServicer, name: str):
     async def one(requests, context):
         received = [request async for request in _at_most(requests, 2)]
         if len(received) != 1:
-            servicer.metrics.refused(name, grpc.StatusCode.INVALID_ARGUMENT.name)
-            servicer.refusal_log.note(f"{name} {grpc.StatusCode.INVALID_ARGUMENT.name}")
+            servicer.refused(name, grpc.StatusCode.INVALID_ARGUMENT.name)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"{name} takes exactly one request message; the call carried "
                                 f"{'none' if not received else 'more than one'}")
@@ -840,11 +845,8 @@ async def create_server(runner: TargetRunner, address: str = "127.0.0.1:0",
                                      on_refusal=lambda method: metrics.refused(method, "UNAUTHENTICATED"))
     servicer.auth = auth  # its TokenSet is swapped on SIGHUP (`serve`)
 
-    def over_cap(method: str) -> None:
-        metrics.refused(method, "RESOURCE_EXHAUSTED")
-        servicer.refusal_log.note(f"{method} RESOURCE_EXHAUSTED (calls in flight)")
-
-    limiter = CallLimits(limits.call_limit, on_refusal=over_cap)
+    limiter = CallLimits(limits.call_limit,
+                         on_refusal=lambda method: servicer.refused(method, "RESOURCE_EXHAUSTED", "calls in flight"))
     # auth first: a refused token takes no slot; gRPC's own cap a backstop above the limiter's caps
     server = grpc.aio.server(options=server_options(limits), interceptors=[i for i in (auth, limiter) if i],
                              maximum_concurrent_rpcs=limits.call_limit + HEALTH_WATCHES + HEALTH_CHECK_SPARE)
