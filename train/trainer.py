@@ -1033,12 +1033,11 @@ def _heldout_text(cfg: TrainConfig, record: dict, gain: str, state: dict) -> str
     cover = (f"{held} conversations" if scored == held else
              f"{held} conversations, loss and top-1 over the {scored} with an assistant turn within "
              f"{HELDOUT_MAX_LEN} tokens")
+    head = (f"- held-out ({cover}, split seed {cfg.split_seed}): loss {record['heldout_loss']:.4f}, top-1 agreement "
+            f"{record['heldout_top1']:.3f}{gain}; ")
     if not record.get("tau_prompts", cfg.eval_prompts):
-        return (f"- held-out ({cover}, split seed {cfg.split_seed}): loss {record['heldout_loss']:.4f}, top-1 agreement "
-                f"{record['heldout_top1']:.3f}{gain}; tau not measured (--eval-prompts 0), so no best/ checkpoint "
-                "is kept")
-    return (f"- held-out ({cover}, split seed {cfg.split_seed}): loss {record['heldout_loss']:.4f}, top-1 agreement "
-            f"{record['heldout_top1']:.3f}{gain}; greedy single-device accept length tau {record['tau']:.2f}"
+        return head + "tau not measured (--eval-prompts 0), so no best/ checkpoint is kept"
+    return (head + f"greedy single-device accept length tau {record['tau']:.2f}"
             f"{_interval_text(record)} (EAGLE-2 tree depth {EVAL_TREE.depth}, top-{EVAL_TREE.top_b}, "
             f"{EVAL_TREE.max_nodes} nodes"
             + (f", draft vocabulary {state['train_vocab']}" if state.get("train_vocab") else "")
