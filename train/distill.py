@@ -146,9 +146,8 @@ def _done(path: Path, keep: int | None = None) -> int:
         lines.pop()
     for number, line in enumerate(lines[1:], start=2):  # extended as it is, `train` would refuse it later (QA 58)
         try:
-            record = json.loads(line)
-            record["prompt_ids"], record["answer_ids"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+            _record_ids(line)
+        except ValueError:
             raise ValueError(f"{path} line {number}: not a distill-data record, so the file is damaged before its "
                              f"end: keep the records before it (head -n {number - 1}) or write another --out") from None
     if keep is not None:
@@ -376,10 +375,9 @@ def load_distilled(path: str | Path, max_len: int, records: slice = slice(None),
     numbers = range(2, len(lines) + 1)[records]  # file line numbers, the header being line 1
     for number, line in zip(numbers, lines[1:][records]):
         try:
-            record = json.loads(line)
-            prompt, answer = record["prompt_ids"], record["answer_ids"]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise ValueError(f"{path} line {number}: not a distill-data record ({err!r})") from None
+            prompt, answer = _record_ids(line)
+        except ValueError as err:
+            raise ValueError(f"{path} line {number}: not a distill-data record ({err})") from None
         ids = prompt + answer if isinstance(prompt, list) and isinstance(answer, list) else None
         if ids is None or not all(type(t) is int and 0 <= t < bound for t in ids):
             raise ValueError(f"{path} line {number}: prompt_ids and answer_ids must be lists of token ids"
@@ -389,6 +387,17 @@ def load_distilled(path: str | Path, max_len: int, records: slice = slice(None),
         if sum(mask) and len(ids) >= 8:
             examples.append(Example(ids, mask))
     return examples
+
+
+def _record_ids(line: str) -> tuple:
+    """(prompt_ids, answer_ids) of a record line, as written (`load_distilled` checks their values).
+
+    Raises ValueError (its message: the parser's error, repr'd): not a JSON object holding both."""
+    try:
+        record = json.loads(line)
+        return record["prompt_ids"], record["answer_ids"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise ValueError(repr(err)) from None
 
 
 def _parses(line: str) -> bool:
